@@ -1,0 +1,190 @@
+"""Cache events and the worker-side publisher (sync redis-py; usable without Ray).
+
+A worker's ``PrefixKVCache`` emits :class:`CacheEvent` s; once per engine step the worker hands the
+step's events to :meth:`WorkerPublisher.publish`, which applies them in one Lua call (one round trip,
+atomic, guarded by the worker's lease). A heartbeat renews the lease every ``lease_ttl_s / 3``; if the
+lease had lapsed (or Redis restarted, or a publish failed) the next heartbeat re-acquires it and
+re-publishes the worker's whole snapshot, so the index refills by itself after an outage.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import redis
+from chunkserve.cluster.index import (
+    DEFAULT_NAMESPACE,
+    HEARTBEAT_LUA,
+    PUBLISH_LUA,
+    RELEASE_LUA,
+    IndexKeys,
+    check_worker_id,
+    encode_hash,
+    now_ms,
+)
+
+logger = logging.getLogger(__name__)
+
+EVENT_KINDS = ("stored", "evicted", "cleared")
+DEFAULT_MAX_DEPTH = 64
+_OPS = {"stored": "s", "evicted": "e", "cleared": "c"}
+_SNAPSHOT_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """One change to a worker's prefix cache.
+
+    ``kind``: "stored" (chunk ``chunk_hash`` is now cached), "evicted" (it is gone), "cleared" (the
+    whole cache was dropped; ``chunk_hash`` is ignored). ``depth`` is the 0-based chunk position in its
+    prompt when known (-1 otherwise); stored events at depth >= the publisher's ``max_depth`` are dropped.
+    """
+
+    kind: str
+    chunk_hash: int
+    depth: int = -1
+
+    def __post_init__(self) -> None:
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"CacheEvent.kind must be one of {EVENT_KINDS}, got {self.kind!r}")
+        if not isinstance(self.chunk_hash, int) or not 0 <= self.chunk_hash < (1 << 64):
+            raise ValueError(f"CacheEvent.chunk_hash must be an unsigned 64-bit int, got {self.chunk_hash!r}")
+
+
+SnapshotFn = Callable[[], Iterable[int]]
+
+
+class WorkerPublisher:
+    """Publishes one worker's cache events and holds its lease.
+
+    ``snapshot`` (optional) returns every chunk hash the worker currently holds (depth < ``max_depth``);
+    it is used to re-publish after the lease was lost. Redis errors never propagate out of
+    :meth:`publish` / :meth:`heartbeat`: they are logged once and trigger a resync on recovery.
+    """
+
+    def __init__(self, client: redis.Redis | str, worker_id: str, namespace: str = DEFAULT_NAMESPACE,
+                 lease_ttl_s: float = 5.0, max_depth: int = DEFAULT_MAX_DEPTH,
+                 snapshot: SnapshotFn | None = None, socket_timeout_s: float = 1.0) -> None:
+        if lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+        if max_depth <= 0:
+            raise ValueError(f"max_depth must be > 0, got {max_depth}")
+        if isinstance(client, str):
+            client = redis.Redis.from_url(client, socket_timeout=socket_timeout_s,
+                                          socket_connect_timeout=socket_timeout_s)
+        self.client = client
+        self.worker_id = check_worker_id(worker_id)
+        self.keys = IndexKeys(namespace)
+        self.lease_ttl_s = lease_ttl_s
+        self.max_depth = max_depth
+        self.snapshot = snapshot
+        self.token = uuid.uuid4().hex  # incarnation: a restarted worker never renews its old lease
+        self._heartbeat = client.register_script(HEARTBEAT_LUA)
+        self._publish = client.register_script(PUBLISH_LUA)
+        self._release = client.register_script(RELEASE_LUA)
+        self._lock = threading.Lock()
+        self._needs_resync = True
+        self._redis_ok = True
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def _kv(self) -> list[str]:
+        return [self.keys.lease(self.worker_id), self.keys.chunks(self.worker_id)]
+
+    def heartbeat(self) -> bool:
+        """Renew (or re-acquire) the lease. -> True when the snapshot was (re)published."""
+        ttl_ms = max(1, int(self.lease_ttl_s * 1000))
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            self._heartbeat(keys=self._kv, args=[self.token, ttl_ms], client=pipe)
+            pipe.zadd(self.keys.registry, {self.worker_id: now_ms()})
+            fresh = int(pipe.execute()[0]) == 1
+            with self._lock:
+                resync = fresh or self._needs_resync
+                self._needs_resync = False
+            if resync:
+                self._publish_snapshot(ttl_ms)
+            self._note_ok()
+            return resync
+        except redis.RedisError as e:
+            self._note_error("heartbeat", e)
+            return False
+
+    def _publish_snapshot(self, ttl_ms: int) -> None:
+        hashes = [encode_hash(h) for h in (self.snapshot() if self.snapshot is not None else ())]
+        pipe = self.client.pipeline(transaction=True)  # one slot: MULTI is valid on Redis Cluster too
+        pipe.delete(self._kv[1])
+        for i in range(0, len(hashes), _SNAPSHOT_BATCH):
+            pipe.sadd(self._kv[1], *hashes[i:i + _SNAPSHOT_BATCH])
+        pipe.set(self._kv[0], self.token, px=ttl_ms)
+        pipe.execute()
+
+    def publish(self, events: Sequence[CacheEvent]) -> int:
+        """Apply one engine step's events in one atomic round trip. -> number of ops applied (-1: not now)."""
+        args: list[str | int] = [self.token]
+        for ev in events:
+            if ev.kind == "stored" and ev.depth >= self.max_depth:
+                continue
+            args.append(_OPS[ev.kind])
+            args.append(encode_hash(ev.chunk_hash) if ev.kind != "cleared" else 0)
+        if len(args) == 1:
+            return 0
+        try:
+            n = int(self._publish(keys=self._kv, args=args))
+        except redis.RedisError as e:
+            self._note_error("publish", e)
+            with self._lock:
+                self._needs_resync = True
+            return -1
+        self._note_ok()
+        if n < 0:  # lease lost: the next heartbeat re-acquires it and re-publishes the snapshot
+            with self._lock:
+                self._needs_resync = True
+        return n
+
+    def start(self, interval_s: float | None = None) -> WorkerPublisher:
+        """Heartbeat now and then every ``interval_s`` (default ``lease_ttl_s / 3``) in a daemon thread."""
+        if self._thread is not None:
+            return self
+        interval = interval_s if interval_s is not None else self.lease_ttl_s / 3
+        if interval <= 0 or interval >= self.lease_ttl_s:
+            raise ValueError(f"heartbeat interval must be in (0, lease_ttl_s), got {interval}")
+        self.heartbeat()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, args=(interval,), daemon=True,
+                                        name=f"chunkserve-lease-{self.worker_id}")
+        self._thread.start()
+        return self
+
+    def _loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.heartbeat()
+
+    def stop(self, release: bool = True) -> None:
+        """Stop heartbeating; with ``release`` drop the lease and entries at once (graceful shutdown)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        if release:
+            try:
+                self._release(keys=self._kv, args=[self.token])
+                self.client.zrem(self.keys.registry, self.worker_id)
+            except redis.RedisError as e:
+                self._note_error("release", e)
+
+    def _note_error(self, what: str, e: Exception) -> None:
+        if self._redis_ok:
+            logger.warning("prefix index unreachable (%s for worker %s): %s; will resync on recovery",
+                           what, self.worker_id, e)
+        self._redis_ok = False
+
+    def _note_ok(self) -> None:
+        if not self._redis_ok:
+            logger.info("prefix index reachable again for worker %s", self.worker_id)
+        self._redis_ok = True

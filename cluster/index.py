@@ -1,0 +1,240 @@
+"""The Redis prefix index: which live worker holds which chunk hash.
+
+Key schema (``ns`` is the namespace, default ``"chunkserve"``; see docs/cluster-index.md):
+
+* ``{ns:w:<worker>}:lease``  string, the publisher's incarnation token, PX TTL (default 5 s).
+* ``{ns:w:<worker>}:chunks`` set of the chunk hashes the worker holds, each as a *signed* 64-bit
+  decimal integer (so small sets use Redis' compact intset encoding).
+* ``{ns}:workers``           zset worker id -> last heartbeat (ms since epoch); only for discovery/sweeps.
+
+A worker's lease and chunk set share one hash tag, so they live in one Redis Cluster slot and every
+Lua script touches a single slot. Different workers hash to different slots, so the index shards
+across a cluster by worker. A lookup is one pipelined round trip: one ``EVALSHA`` per candidate
+worker, each returning the length of the longest prefix of the chain that the worker holds, or -1
+when its lease has lapsed (the script then deletes the stale set: lazy purge).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio as aredis
+
+DEFAULT_NAMESPACE = "chunkserve"
+MAX_LOOKUP_CHUNKS = 4096  # keeps Lua's unpack() far below its stack limit
+_U64 = 1 << 64
+_I64_MAX = (1 << 63) - 1
+
+# KEYS: lease, chunks. ARGV: hashes (signed decimal). -> -1 (no lease; set purged) or prefix length.
+PREFIX_LEN_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[2])
+  return -1
+end
+local r = redis.call('SMISMEMBER', KEYS[2], unpack(ARGV))
+for i = 1, #r do
+  if r[i] == 0 then return i - 1 end
+end
+return #r
+"""
+
+# KEYS: lease, chunks. ARGV: token, ttl_ms. -> 0 renewed, 1 (re)acquired (old set dropped: resync).
+HEARTBEAT_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 0
+end
+redis.call('DEL', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS: lease, chunks. ARGV: token, then (op, hash) pairs with op in s|e|c (c ignores its hash).
+# Applies the batch atomically iff the caller still holds the lease; -> #ops applied or -1.
+PUBLISH_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local n = 0
+for i = 2, #ARGV, 2 do
+  local op = ARGV[i]
+  if op == 's' then redis.call('SADD', KEYS[2], ARGV[i + 1])
+  elseif op == 'e' then redis.call('SREM', KEYS[2], ARGV[i + 1])
+  elseif op == 'c' then redis.call('DEL', KEYS[2])
+  else return redis.error_reply('bad op ' .. op) end
+  n = n + 1
+end
+return n
+"""
+
+# KEYS: lease, chunks. ARGV: token, ttl_ms. Drops the lease and set iff the caller owns the lease.
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  return 1
+end
+return 0
+"""
+
+
+def encode_hash(h: int) -> int:
+    """Unsigned 64-bit chunk hash -> signed 64-bit int (the stored form)."""
+    if not 0 <= h < _U64:
+        raise ValueError(f"chunk hash must be an unsigned 64-bit int, got {h}")
+    return h - _U64 if h > _I64_MAX else h
+
+
+def decode_hash(v: int | bytes | str) -> int:
+    """Stored signed form (as returned by Redis) -> unsigned 64-bit chunk hash."""
+    i = int(v)
+    return i + _U64 if i < 0 else i
+
+
+@dataclass(frozen=True)
+class IndexKeys:
+    """Key names for one namespace (see the module docstring for the schema)."""
+
+    namespace: str = DEFAULT_NAMESPACE
+
+    def __post_init__(self) -> None:
+        if not self.namespace or any(c in self.namespace for c in "{}"):
+            raise ValueError(f"namespace must be non-empty and free of braces, got {self.namespace!r}")
+
+    def lease(self, worker_id: str) -> str:
+        return f"{{{self.namespace}:w:{worker_id}}}:lease"
+
+    def chunks(self, worker_id: str) -> str:
+        return f"{{{self.namespace}:w:{worker_id}}}:chunks"
+
+    @property
+    def registry(self) -> str:
+        return f"{{{self.namespace}}}:workers"
+
+
+def check_worker_id(worker_id: str) -> str:
+    """Validate a worker id (non-empty, no braces: it goes inside a hash tag)."""
+    if not isinstance(worker_id, str) or not worker_id or any(c in worker_id for c in "{}"):
+        raise ValueError(f"worker_id must be a non-empty string without braces, got {worker_id!r}")
+    return worker_id
+
+
+def _lookup_args(chain: Sequence[int], max_chunks: int | None) -> list[int]:
+    n = len(chain) if max_chunks is None else min(len(chain), max_chunks)
+    if n > MAX_LOOKUP_CHUNKS:
+        raise ValueError(f"chains longer than {MAX_LOOKUP_CHUNKS} chunks are not looked up; pass max_chunks")
+    return [encode_hash(h) for h in chain[:n]]
+
+
+class PrefixIndex:
+    """Synchronous index reader/admin (redis-py); thread-safe like the client it wraps."""
+
+    def __init__(self, client: redis.Redis | str, namespace: str = DEFAULT_NAMESPACE,
+                 max_chunks: int | None = None) -> None:
+        self.client = redis.Redis.from_url(client) if isinstance(client, str) else client
+        self.keys = IndexKeys(namespace)
+        self.max_chunks = max_chunks
+        self._prefix_len = self.client.register_script(PREFIX_LEN_LUA)
+
+    def live_workers(self) -> list[str]:
+        """Registered workers whose lease is alive."""
+        ids = [_s(w) for w in self.client.zrange(self.keys.registry, 0, -1)]
+        if not ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for w in ids:
+            pipe.exists(self.keys.lease(w))
+        return [w for w, alive in zip(ids, pipe.execute(), strict=True) if alive]
+
+    def longest_prefixes(self, chain: Sequence[int], worker_ids: Iterable[str] | None = None) -> dict[str, int]:
+        """Per live worker, how many leading chunks of ``chain`` it holds (one round trip).
+
+        Workers whose lease lapsed are left out (and their sets purged).
+        """
+        workers = list(worker_ids) if worker_ids is not None else self.live_workers()
+        args = _lookup_args(chain, self.max_chunks)
+        if not workers:
+            return {}
+        if not args:
+            return dict.fromkeys(workers, 0) if worker_ids is None else self._alive_only(workers)
+        pipe = self.client.pipeline(transaction=False)
+        for w in workers:
+            self._prefix_len(keys=[self.keys.lease(w), self.keys.chunks(w)], args=args, client=pipe)
+        return {w: int(n) for w, n in zip(workers, pipe.execute(), strict=True) if int(n) >= 0}
+
+    def _alive_only(self, workers: list[str]) -> dict[str, int]:
+        pipe = self.client.pipeline(transaction=False)
+        for w in workers:
+            pipe.exists(self.keys.lease(w))
+        return {w: 0 for w, alive in zip(workers, pipe.execute(), strict=True) if alive}
+
+    def worker_hashes(self, worker_id: str) -> set[int]:
+        """All chunk hashes published by ``worker_id`` (ignores the lease; for tests and tools)."""
+        return {decode_hash(v) for v in self.client.smembers(self.keys.chunks(check_worker_id(worker_id)))}
+
+    def sweep(self) -> list[str]:
+        """Purge workers whose lease lapsed: drop their chunk sets and registry entries. -> purged ids."""
+        ids = [_s(w) for w in self.client.zrange(self.keys.registry, 0, -1)]
+        if not ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for w in ids:
+            pipe.exists(self.keys.lease(w))
+        dead = [w for w, alive in zip(ids, pipe.execute(), strict=True) if not alive]
+        if dead:
+            pipe = self.client.pipeline(transaction=False)
+            for w in dead:
+                # Re-check inside one slot: a worker may have re-acquired its lease since the read.
+                pipe.eval("if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('DEL', KEYS[2]) end"
+                          " return -1", 2, self.keys.lease(w), self.keys.chunks(w))
+            results = pipe.execute()
+            dead = [w for w, r in zip(dead, results, strict=True) if int(r) >= 0]
+            if dead:
+                self.client.zrem(self.keys.registry, *dead)
+        return dead
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class AsyncPrefixIndex:
+    """asyncio index reader (redis.asyncio) for the router; create it inside the router's event loop."""
+
+    def __init__(self, client: aredis.Redis | str, namespace: str = DEFAULT_NAMESPACE,
+                 max_chunks: int | None = None, socket_timeout_s: float = 1.0) -> None:
+        if isinstance(client, str):
+            client = aredis.Redis.from_url(client, socket_timeout=socket_timeout_s,
+                                           socket_connect_timeout=socket_timeout_s)
+        self.client = client
+        self.keys = IndexKeys(namespace)
+        self.max_chunks = max_chunks
+        self._prefix_len = self.client.register_script(PREFIX_LEN_LUA)
+
+    async def longest_prefixes(self, chain: Sequence[int], worker_ids: Iterable[str]) -> dict[str, int]:
+        """Per live worker among ``worker_ids``, the longest prefix of ``chain`` it holds (one round trip)."""
+        workers = list(worker_ids)
+        args = _lookup_args(chain, self.max_chunks)
+        if not workers:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        if not args:
+            for w in workers:
+                pipe.exists(self.keys.lease(w))
+            return {w: 0 for w, alive in zip(workers, await pipe.execute(), strict=True) if alive}
+        for w in workers:
+            await self._prefix_len(keys=[self.keys.lease(w), self.keys.chunks(w)], args=args, client=pipe)
+        return {w: int(n) for w, n in zip(workers, await pipe.execute(), strict=True) if int(n) >= 0}
+
+    async def ping(self) -> bool:
+        return bool(await self.client.ping())
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
