@@ -1,0 +1,262 @@
+"""Our own Llama-family forward (RMSNorm, RoPE, GQA, SwiGLU). Attention is delegated to an `AttentionFn`.
+
+The engine flattens the tokens of every sequence in a step into one batch of T rows and passes an
+`AttentionFn` that owns the KV cache (it writes k/v and runs prefill/decode attention per layer).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from chunkserve.workers.config import ModelConfig
+
+
+class AttentionFn(Protocol):
+    """Per-layer attention over the step's T rows; q and k arrive with RoPE applied."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, Hq, D], k: [T, Hkv, D], v: [T, Hkv, D] -> o: [T, Hq, D]
+        ...
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] fp32, attention scaling) for the config's RoPE type (default, linear, llama3)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [D/2]
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq, 1.0
+    rtype = rs["rope_type"]
+    if rtype == "linear":
+        return inv_freq / float(rs["factor"]), 1.0
+    if rtype == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old_len = float(rs["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    raise NotImplementedError(f"RoPE scaling type {rtype!r} is not implemented")
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer, with q/k/v and gate/up fused into single matmuls."""
+
+    ln1: torch.Tensor  # [H]
+    w_qkv: torch.Tensor  # [Hq*D + 2*Hkv*D, H]
+    b_qkv: torch.Tensor | None  # [Hq*D + 2*Hkv*D]
+    w_o: torch.Tensor  # [H, Hq*D]
+    b_o: torch.Tensor | None  # [H]
+    ln2: torch.Tensor  # [H]
+    w_gate_up: torch.Tensor  # [2*I, H]
+    b_gate_up: torch.Tensor | None  # [2*I]
+    w_down: torch.Tensor  # [H, I]
+    b_down: torch.Tensor | None  # [H]
+
+
+class CausalLM:
+    """A Llama-family decoder over flattened tokens. Build with `from_state_dict` or `random`."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+        self.config = config
+        self.embed = embed  # [V, H]
+        self.layers = layers
+        self.norm = norm  # [H]
+        self.lm_head = lm_head  # [V, H]; the same tensor as embed when tied
+        self.dtype = embed.dtype
+        self.device = embed.device
+        inv_freq, scale = rope_inv_freq(config)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2] fp32
+        self._cos = (freqs.cos() * scale).to(device=self.device, dtype=self.dtype)  # [P, D/2]
+        self._sin = (freqs.sin() * scale).to(device=self.device, dtype=self.dtype)  # [P, D/2]
+
+    @classmethod
+    def from_state_dict(cls, config: ModelConfig, sd: Mapping[str, torch.Tensor], *,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
+        """From Hugging Face names (`model.layers.{i}.self_attn.q_proj.weight`, ...); fuses at load time."""
+        prefix = "model." if "model.embed_tokens.weight" in sd else ""
+
+        def get(name: str, optional: bool = False) -> torch.Tensor | None:
+            key = name if name == "lm_head.weight" else prefix + name
+            if key not in sd:
+                if optional:
+                    return None
+                raise ValueError(f"checkpoint is missing tensor {key!r} required by {config.architecture}")
+            return sd[key]
+
+        def put(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+
+        def cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
+            return None if ts[0] is None else torch.cat([t.to(dtype) for t in ts], dim=0)  # type: ignore[union-attr]
+
+        layers: list[LayerWeights] = []
+        for i in range(config.num_layers):
+            a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            qb = config.qkv_bias
+            layers.append(LayerWeights(
+                ln1=put(get(f"layers.{i}.input_layernorm.weight")),
+                w_qkv=put(cat(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight"))),
+                b_qkv=put(cat(get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")) if qb else None),
+                w_o=put(get(a + "o_proj.weight")),
+                b_o=put(get(a + "o_proj.bias")) if config.o_bias else None,
+                ln2=put(get(f"layers.{i}.post_attention_layernorm.weight")),
+                w_gate_up=put(cat(get(m + "gate_proj.weight"), get(m + "up_proj.weight"))),
+                b_gate_up=put(cat(get(m + "gate_proj.bias"), get(m + "up_proj.bias"))) if config.mlp_bias else None,
+                w_down=put(get(m + "down_proj.weight")),
+                b_down=put(get(m + "down_proj.bias")) if config.mlp_bias else None,
+            ))
+        embed = put(get("embed_tokens.weight"))
+        if embed.shape != (config.vocab_size, config.hidden_size):
+            raise ValueError(f"embed_tokens has shape {tuple(embed.shape)}, config expects "
+                             f"({config.vocab_size}, {config.hidden_size})")
+        head = sd.get("lm_head.weight")
+        if config.tie_word_embeddings or head is None:
+            if not config.tie_word_embeddings:
+                raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+            lm_head = embed
+        else:
+            lm_head = put(head)
+        return cls(config, embed, layers, put(get("norm.weight")), lm_head)
+
+    @classmethod
+    def random(cls, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", seed: int = 0, std: float = 0.02) -> CausalLM:
+        """Random weights (normal(0, std), norms = 1) generated directly on the device."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+
+        def rnd(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+
+        def ones(n: int) -> torch.Tensor:
+            return torch.ones(n, device=device, dtype=dtype)
+
+        layers = [LayerWeights(
+            ln1=ones(h), w_qkv=rnd(q + 2 * kv, h), b_qkv=rnd(q + 2 * kv) if config.qkv_bias else None,
+            w_o=rnd(h, q), b_o=rnd(h) if config.o_bias else None, ln2=ones(h),
+            w_gate_up=rnd(2 * inter, h), b_gate_up=rnd(2 * inter) if config.mlp_bias else None,
+            w_down=rnd(h, inter), b_down=rnd(h) if config.mlp_bias else None,
+        ) for _ in range(config.num_layers)]
+        embed = rnd(config.vocab_size, h)
+        lm_head = embed if config.tie_word_embeddings else rnd(config.vocab_size, h)
+        return cls(config, embed, layers, ones(h), lm_head)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Hugging Face names (unfused), e.g. to save a random model with `save_checkpoint`."""
+        c = self.config
+        sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if not c.tie_word_embeddings:
+            sd["lm_head.weight"] = self.lm_head
+        for i, lw in enumerate(self.layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            sd[f"model.layers.{i}.input_layernorm.weight"] = lw.ln1
+            sd[f"model.layers.{i}.post_attention_layernorm.weight"] = lw.ln2
+            for name, t in zip(("q", "k", "v"), lw.w_qkv.split([c.q_size, c.kv_size, c.kv_size]), strict=True):
+                sd[a + f"{name}_proj.weight"] = t
+            if lw.b_qkv is not None:
+                for name, t in zip(("q", "k", "v"), lw.b_qkv.split([c.q_size, c.kv_size, c.kv_size]), strict=True):
+                    sd[a + f"{name}_proj.bias"] = t
+            sd[a + "o_proj.weight"] = lw.w_o
+            gate, up = lw.w_gate_up.chunk(2, dim=0)
+            sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"] = gate, up
+            sd[m + "down_proj.weight"] = lw.w_down
+            if lw.b_o is not None:
+                sd[a + "o_proj.bias"] = lw.b_o
+            if lw.b_gate_up is not None and lw.b_down is not None:
+                sd[m + "gate_proj.bias"], sd[m + "up_proj.bias"] = lw.b_gate_up.chunk(2, dim=0)
+                sd[m + "down_proj.bias"] = lw.b_down
+        return {k: v.contiguous() for k, v in sd.items()}
+
+    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]; computed in fp32 like transformers, then cast back before the weight multiply
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return w * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, Hx, D]; cos/sin: [T, 1, D/2]; rotate-half convention (first half / second half)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """Run all layers over T flattened tokens; returns the final-normed hidden states [T, H]."""
+        c = self.config
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must both be 1-D [T]; got {tuple(input_ids.shape)} "
+                             f"and {tuple(positions.shape)}")
+        t = input_ids.shape[0]
+        if t and int(positions.max()) >= c.max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings "
+                             f"{c.max_position_embeddings}")
+        input_ids = input_ids.to(self.device)
+        positions = positions.to(self.device)
+        cos = self._cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
+        sin = self._sin.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
+        split = [c.q_size, c.kv_size, c.kv_size]
+        h = self.embed.index_select(0, input_ids)  # [T, H]
+        for i, lw in enumerate(self.layers):
+            x = self._rms_norm(h, lw.ln1)
+            q, k, v = F.linear(x, lw.w_qkv, lw.b_qkv).split(split, dim=-1)  # [T, Hq*D], [T, Hkv*D] x2
+            q = self._rope(q.view(t, c.num_heads, c.head_dim), cos, sin)  # [T, Hq, D]
+            k = self._rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)  # [T, Hkv, D]
+            o = attn(i, q, k, v.reshape(t, c.num_kv_heads, c.head_dim))  # [T, Hq, D]
+            h = h + F.linear(o.reshape(t, c.q_size), lw.w_o, lw.b_o)
+            x = self._rms_norm(h, lw.ln2)
+            gate, up = F.linear(x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)  # [T, I] x2
+            h = h + F.linear(F.silu(gate) * up, lw.w_down, lw.b_down)
+        return self._rms_norm(h, self.norm)
+
+    __call__ = forward
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, H] (from `forward`) -> fp32 logits [n, V]."""
+        return F.linear(hidden, self.lm_head).float()
+
+
+class DenseCausalAttention:
+    """Exact attention for ONE sequence, with its own growing per-layer K/V (tests and simple decoding).
+
+    Call `forward` with the whole prompt, then optionally one token at a time (positions continuing).
+    """
+
+    def __init__(self, num_layers: int, scale: float | None = None) -> None:
+        self.scale = scale
+        self.k: list[torch.Tensor | None] = [None] * num_layers  # each [S, Hkv, D]
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    def reset(self) -> None:
+        self.k = [None] * len(self.k)
+        self.v = [None] * len(self.v)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, Hq, D], k/v: [T, Hkv, D] -> o: [T, Hq, D]
+        pk, pv = self.k[layer], self.v[layer]
+        k = k if pk is None else torch.cat((pk, k))  # [S, Hkv, D]
+        v = v if pv is None else torch.cat((pv, v))
+        self.k[layer], self.v[layer] = k, v
+        t, hq, d = q.shape
+        s, hkv = k.shape[0], k.shape[1]
+        g = hq // hkv
+        scale = self.scale if self.scale is not None else d ** -0.5
+        qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
+        scores = torch.matmul(qg, k.permute(1, 2, 0).unsqueeze(1)) * scale  # [Hkv, G, T, S]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)  # query i sees keys <= s-t+i
+        scores = scores.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.matmul(p, v.permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, T, D]
+        return o.permute(2, 0, 1, 3).reshape(t, hq, d)
