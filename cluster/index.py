@@ -157,10 +157,18 @@ class PrefixIndex:
             return {}
         if not args:
             return dict.fromkeys(workers, 0) if worker_ids is None else self._alive_only(workers)
-        pipe = self.client.pipeline(transaction=False)
-        for w in workers:
-            self._prefix_len(keys=[self.keys.lease(w), self.keys.chunks(w)], args=args, client=pipe)
-        return {w: int(n) for w, n in zip(workers, pipe.execute(), strict=True) if int(n) >= 0}
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for w in workers:  # plain EVALSHA: redis-py's Script in a pipeline adds a SCRIPT EXISTS round trip
+                pipe.evalsha(self._prefix_len.sha, 2, self.keys.lease(w), self.keys.chunks(w), *args)
+            try:
+                results = pipe.execute()
+                break
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                self.client.script_load(PREFIX_LEN_LUA)
+        return {w: int(n) for w, n in zip(workers, results, strict=True) if int(n) >= 0}
 
     def _alive_only(self, workers: list[str]) -> dict[str, int]:
         pipe = self.client.pipeline(transaction=False)
@@ -216,14 +224,23 @@ class AsyncPrefixIndex:
         args = _lookup_args(chain, self.max_chunks)
         if not workers:
             return {}
-        pipe = self.client.pipeline(transaction=False)
         if not args:
+            pipe = self.client.pipeline(transaction=False)
             for w in workers:
                 pipe.exists(self.keys.lease(w))
             return {w: 0 for w, alive in zip(workers, await pipe.execute(), strict=True) if alive}
-        for w in workers:
-            await self._prefix_len(keys=[self.keys.lease(w), self.keys.chunks(w)], args=args, client=pipe)
-        return {w: int(n) for w, n in zip(workers, await pipe.execute(), strict=True) if int(n) >= 0}
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for w in workers:  # plain EVALSHA: one round trip (see PrefixIndex.longest_prefixes)
+                pipe.evalsha(self._prefix_len.sha, 2, self.keys.lease(w), self.keys.chunks(w), *args)
+            try:
+                results = await pipe.execute()
+                break
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                await self.client.script_load(PREFIX_LEN_LUA)
+        return {w: int(n) for w, n in zip(workers, results, strict=True) if int(n) >= 0}
 
     async def ping(self) -> bool:
         return bool(await self.client.ping())

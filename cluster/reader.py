@@ -1,0 +1,143 @@
+"""Router-side index reads: a short-lived local cache, a hard wait budget and Redis-down handling.
+
+Routing never waits on Redis for more than ``timeout_s``: a lookup that is slower keeps running in
+the background and fills the cache for the next request. A Redis error marks the index down for
+``retry_after_s`` (logged once); during that time no Redis call is made, and the first lookup after it
+probes again (recovery is logged once too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import redis
+from chunkserve.cluster.index import AsyncPrefixIndex
+
+logger = logging.getLogger(__name__)
+
+LOOKUP_STATUSES = ("ok", "cached", "timeout", "down")
+
+
+@dataclass(frozen=True)
+class ReaderConfig:
+    """Cache TTL and wait budget of index reads (seconds)."""
+
+    cache_ttl_s: float = 0.25
+    timeout_s: float = 0.005
+    retry_after_s: float = 1.0
+    max_cache_entries: int = 8192
+    max_inflight: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("cache_ttl_s", "timeout_s", "retry_after_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ReaderConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_cache_entries < 1 or self.max_inflight < 1:
+            raise ValueError("ReaderConfig.max_cache_entries and max_inflight must be >= 1")
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Per-worker longest cached prefix (chunks), or None when the index could not answer in time."""
+
+    matches: dict[str, int] | None
+    status: str  # one of LOOKUP_STATUSES
+
+
+_Key = tuple[int, int, tuple[str, ...]]
+
+
+class CachedIndexReader:
+    """Wraps an :class:`AsyncPrefixIndex` created lazily (inside the running event loop)."""
+
+    def __init__(self, index_factory: Callable[[], AsyncPrefixIndex] | None, config: ReaderConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or ReaderConfig()
+        self._factory = index_factory
+        self._index: AsyncPrefixIndex | None = None
+        self._clock = clock
+        self._cache: OrderedDict[_Key, tuple[float, dict[str, int]]] = OrderedDict()
+        self._inflight: dict[_Key, asyncio.Task[dict[str, int]]] = {}
+        self._down_until = 0.0
+        self._down = False
+        if index_factory is None:
+            logger.warning("no prefix index configured: routing by rendezvous hashing and load only")
+
+    @property
+    def is_down(self) -> bool:
+        """Whether the last Redis call failed (and the retry window may still be open)."""
+        return self._down
+
+    async def lookup(self, chain: Sequence[int], worker_ids: Sequence[str]) -> LookupResult:
+        """Longest prefix per live worker among ``worker_ids``; never waits longer than ``timeout_s``."""
+        if not chain or not worker_ids:
+            return LookupResult({}, "ok")
+        if self._factory is None:
+            return LookupResult(None, "down")
+        now = self._clock()
+        key: _Key = (chain[-1], len(chain), tuple(sorted(worker_ids)))
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] > now:
+            self._cache.move_to_end(key)
+            return LookupResult(hit[1], "cached")
+        if self._down and now < self._down_until:
+            return LookupResult(None, "down")
+        task = self._inflight.get(key)
+        if task is None:
+            if len(self._inflight) >= self.config.max_inflight:
+                return LookupResult(None, "timeout")
+            if self._index is None:
+                self._index = self._factory()
+            task = asyncio.get_running_loop().create_task(self._fetch(key, list(chain), list(worker_ids)))
+            task.add_done_callback(_consume_exception)
+            self._inflight[key] = task
+        done, _ = await asyncio.wait({task}, timeout=self.config.timeout_s)
+        if not done:
+            return LookupResult(None, "timeout")
+        if task.cancelled() or task.exception() is not None:
+            return LookupResult(None, "down")
+        return LookupResult(task.result(), "ok")
+
+    async def _fetch(self, key: _Key, chain: list[int], workers: list[str]) -> dict[str, int]:
+        assert self._index is not None  # set by lookup() before the task starts
+        try:
+            matches = await self._index.longest_prefixes(chain, workers)
+        except (redis.RedisError, OSError) as e:
+            if not self._down:
+                logger.warning("prefix index unreachable (%s); routing by rendezvous hashing + load "
+                               "until it is back", e)
+            self._down = True
+            self._down_until = self._clock() + self.config.retry_after_s
+            raise
+        finally:
+            self._inflight.pop(key, None)
+        if self._down:
+            logger.info("prefix index reachable again; prefix-aware routing resumed")
+            self._down = False
+        self._cache[key] = (self._clock() + self.config.cache_ttl_s, matches)
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.config.max_cache_entries:
+            self._cache.popitem(last=False)
+        return matches
+
+    def invalidate(self) -> None:
+        """Drop all cached lookups (e.g. after the replica set changed)."""
+        self._cache.clear()
+
+    async def aclose(self) -> None:
+        for t in list(self._inflight.values()):
+            t.cancel()
+        if self._index is not None:
+            await self._index.aclose()
+            self._index = None
+
+
+def _consume_exception(task: asyncio.Task[dict[str, int]]) -> None:
+    """Mark a background lookup's failure as seen (it was already logged and handled)."""
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,179 @@
+"""Prefix-aware routing policy: pure logic, no Ray, no Redis.
+
+Inputs per decision: the candidate replicas with their load, the request's chunk hash chain, and the
+per-replica longest cached prefix from the index (``None`` when the index could not answer). Rules:
+
+1. ``no_chain``: the request has no full chunk -> least loaded replica (ties rotate).
+2. ``prefix_hit``: among replicas holding >= ``min_match_chunks`` leading chunks (index, or a local hint
+   that we sent this prefix there recently), take the best ``match - load_cost_chunks * load`` that is
+   not overloaded.
+3. ``spill``: every holder is overloaded -> the least loaded replica that is not; the local hint map
+   records that the prefix now lives there too, so later requests of a hot prefix spread over both.
+4. ``cold_hash``: nobody holds it -> rendezvous (highest-random-weight) hashing on the first chunk hash,
+   skipping overloaded replicas, so one system prompt keeps landing on one replica.
+5. ``redis_down``: the index did not answer -> rules 2-4 on local hints only (rendezvous when none).
+
+A replica is overloaded when it is at capacity, or when its load exceeds the least loaded replica's by
+at least ``spill_abs`` *and* is at least ``spill_rel`` times ``(least load + 1)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+REASONS = ("prefix_hit", "spill", "cold_hash", "redis_down", "no_chain")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Routing knobs (see the module docstring)."""
+
+    spill_abs: int = 4
+    spill_rel: float = 2.0
+    load_cost_chunks: float = 0.25
+    min_match_chunks: int = 1
+    hint_ttl_s: float = 30.0
+    max_hints: int = 200_000
+
+    def __post_init__(self) -> None:
+        if self.spill_abs < 1:
+            raise ValueError(f"PolicyConfig.spill_abs must be >= 1, got {self.spill_abs}")
+        if self.spill_rel < 1.0:
+            raise ValueError(f"PolicyConfig.spill_rel must be >= 1.0, got {self.spill_rel}")
+        if self.load_cost_chunks < 0:
+            raise ValueError(f"PolicyConfig.load_cost_chunks must be >= 0, got {self.load_cost_chunks}")
+        if self.min_match_chunks < 1:
+            raise ValueError(f"PolicyConfig.min_match_chunks must be >= 1, got {self.min_match_chunks}")
+        if self.hint_ttl_s < 0 or self.max_hints < 0:
+            raise ValueError("PolicyConfig.hint_ttl_s and max_hints must be >= 0")
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """A candidate replica: its worker id, ongoing requests and capacity (max ongoing; <= 0: unbounded)."""
+
+    replica_id: str
+    ongoing: int
+    capacity: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen replica, why, how many chunks it holds, and the full preference order."""
+
+    replica_id: str
+    reason: str
+    matched_chunks: int
+    ranking: tuple[str, ...] = field(default=())
+
+
+def rendezvous_weight(key: int, replica_id: str) -> int:
+    """Highest-random-weight score of ``replica_id`` for ``key`` (stable across processes)."""
+    h = hashlib.blake2b(key.to_bytes(8, "little"), digest_size=8, key=replica_id.encode()[:64])
+    return int.from_bytes(h.digest(), "little")
+
+
+class PrefixPolicy:
+    """Stateful only in its hint map (prefix hash -> replicas recently sent that prefix) and RR counter."""
+
+    def __init__(self, config: PolicyConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or PolicyConfig()
+        self._clock = clock
+        self._hints: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._rr = 0
+
+    # -- hints -------------------------------------------------------------------------------------
+    def record(self, chain: Sequence[int], replica_id: str) -> None:
+        """Remember that ``replica_id`` now holds every prefix of ``chain`` (until ``hint_ttl_s``)."""
+        if self.config.max_hints == 0 or self.config.hint_ttl_s == 0:
+            return
+        expiry = self._clock() + self.config.hint_ttl_s
+        for h in chain:
+            d = self._hints.get(h)
+            if d is None:
+                self._hints[h] = {replica_id: expiry}
+            else:
+                d[replica_id] = expiry
+                self._hints.move_to_end(h)
+        while len(self._hints) > self.config.max_hints:
+            self._hints.popitem(last=False)
+
+    def forget_replica(self, replica_id: str) -> None:
+        """Drop a dead replica from every hint."""
+        for h in list(self._hints):
+            d = self._hints[h]
+            d.pop(replica_id, None)
+            if not d:
+                del self._hints[h]
+
+    def hinted_matches(self, chain: Sequence[int]) -> dict[str, int]:
+        """Per replica, the longest prefix of ``chain`` the hint map says it holds."""
+        now = self._clock()
+        out: dict[str, int] = {}
+        for i, h in enumerate(chain):
+            d = self._hints.get(h)
+            if d is None:
+                break  # hints are recorded for whole prefixes: deeper ones cannot exist
+            alive = False
+            for r, exp in d.items():
+                if exp > now:
+                    out[r] = i + 1
+                    alive = True
+            if not alive:
+                break
+        return out
+
+    # -- decisions ---------------------------------------------------------------------------------
+    def _overloaded(self, r: ReplicaLoad, min_load: int) -> bool:
+        if r.capacity > 0 and r.ongoing >= r.capacity:
+            return True
+        c = self.config
+        return r.ongoing - min_load >= c.spill_abs and r.ongoing >= c.spill_rel * (min_load + 1)
+
+    def decide(self, replicas: Sequence[ReplicaLoad], chain: Sequence[int],
+               matches: Mapping[str, int] | None) -> Decision:
+        """Choose a replica. ``matches`` is None when the index did not answer (reason ``redis_down``)."""
+        if not replicas:
+            raise ValueError("decide() needs at least one candidate replica")
+        min_load = min(r.ongoing for r in replicas)
+        if not chain:
+            return self._least_loaded(replicas, "no_chain", {})
+        eff = self.hinted_matches(chain)
+        if matches is not None:
+            for rid, m in matches.items():
+                if m > eff.get(rid, 0):
+                    eff[rid] = m
+        down = matches is None
+        holders = [r for r in replicas if eff.get(r.replica_id, 0) >= self.config.min_match_chunks]
+        if holders:
+            cost = self.config.load_cost_chunks
+            holders.sort(key=lambda r: (-(eff[r.replica_id] - cost * r.ongoing), r.ongoing, r.replica_id))
+            fit = [r for r in holders if not self._overloaded(r, min_load)]
+            if fit:
+                return self._decision(fit[0], "redis_down" if down else "prefix_hit", eff, replicas)
+            free = [r for r in replicas if not self._overloaded(r, min_load)]
+            if free:
+                best = min(free, key=lambda r: (r.ongoing, -eff.get(r.replica_id, 0), r.replica_id))
+                return self._decision(best, "redis_down" if down else "spill", eff, replicas)
+            return self._decision(holders[0], "redis_down" if down else "prefix_hit", eff, replicas)
+        order = sorted(replicas, key=lambda r: rendezvous_weight(chain[0], r.replica_id), reverse=True)
+        pick = next((r for r in order if not self._overloaded(r, min_load)), order[0])
+        return self._decision(pick, "redis_down" if down else "cold_hash", eff, order)
+
+    def _least_loaded(self, replicas: Sequence[ReplicaLoad], reason: str, eff: dict[str, int]) -> Decision:
+        self._rr += 1
+        n = len(replicas)
+        best = min(range(n), key=lambda i: (replicas[i].ongoing, (i - self._rr) % n))
+        return self._decision(replicas[best], reason, eff, replicas)
+
+    @staticmethod
+    def _decision(chosen: ReplicaLoad, reason: str, eff: Mapping[str, int],
+                  order: Sequence[ReplicaLoad]) -> Decision:
+        rest = sorted((r for r in order if r.replica_id != chosen.replica_id),
+                      key=lambda r: (r.ongoing, -eff.get(r.replica_id, 0)))
+        return Decision(chosen.replica_id, reason, eff.get(chosen.replica_id, 0),
+                        (chosen.replica_id, *(r.replica_id for r in rest)))

@@ -1,0 +1,150 @@
+"""``PrefixAwareRouter``: a Ray Serve request router that sends a prompt to the replica caching its prefix.
+
+Set it on the worker deployment::
+
+    @serve.deployment(request_router_config=RequestRouterConfig(
+        request_router_class="chunkserve.router.request_router.PrefixAwareRouter",
+        request_router_kwargs={"redis_url": "redis://127.0.0.1:6379/0"}))
+
+The caller passes the prompt's chunk hash chain (``chunkserve.cluster.hashing.hash_chain``) as the keyword
+argument ``chunk_hashes=[...]`` or as a ``chunk_hashes`` attribute / key of the first positional argument.
+A replica publishes its cache under its Ray replica id, ``serve.get_replica_context().replica_id.unique_id``,
+which is what ``RunningReplica.replica_id.unique_id`` shows the router.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
+from chunkserve.cluster.index import DEFAULT_NAMESPACE, AsyncPrefixIndex
+from chunkserve.cluster.reader import CachedIndexReader, ReaderConfig
+from chunkserve.router.metrics import RouterMetrics
+from chunkserve.router.policy import Decision, PolicyConfig, PrefixPolicy, ReplicaLoad
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+logger = logging.getLogger(__name__)
+
+REDIS_URL_ENV = "CHUNKSERVE_REDIS_URL"
+CHAIN_KWARG = "chunk_hashes"
+_MAX_TRACKED = 100_000
+
+
+def extract_chain(pending_request: PendingRequest | None, max_chunks: int) -> list[int]:
+    """The chunk hash chain carried by a request (empty when there is none or it is malformed)."""
+    if pending_request is None:
+        return []
+    chain: Any = pending_request.kwargs.get(CHAIN_KWARG) if pending_request.kwargs else None
+    if chain is None and pending_request.args:
+        first = pending_request.args[0]
+        chain = first.get(CHAIN_KWARG) if isinstance(first, dict) else getattr(first, CHAIN_KWARG, None)
+    if not isinstance(chain, list | tuple) or not all(isinstance(h, int) and h >= 0 for h in chain):
+        return []
+    return list(chain[:max_chunks])
+
+
+class PrefixAwareRouter(RequestRouter):
+    """Longest cached prefix traded against load, with spill, rendezvous for cold prefixes and Redis fallback.
+
+    ``request_router_kwargs`` (all optional): ``redis_url`` (else env ``CHUNKSERVE_REDIS_URL``; none: no
+    index), ``namespace``, ``max_chunks`` (K, chunks looked up per request), ``policy`` (dict of
+    :class:`PolicyConfig` fields), ``reader`` (dict of :class:`ReaderConfig` fields), ``enable_metrics``.
+    """
+
+    def initialize_state(self, redis_url: str | None = None, namespace: str = DEFAULT_NAMESPACE,
+                         max_chunks: int = DEFAULT_MAX_DEPTH, policy: dict[str, Any] | None = None,
+                         reader: dict[str, Any] | None = None, enable_metrics: bool = True,
+                         **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"PrefixAwareRouter got unknown request_router_kwargs: {sorted(kwargs)}")
+        if max_chunks < 1:
+            raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
+        url = redis_url or os.environ.get(REDIS_URL_ENV) or None
+        self._max_chunks = max_chunks
+        self._policy = PrefixPolicy(PolicyConfig(**(policy or {})))
+        factory = (lambda: AsyncPrefixIndex(url, namespace=namespace, max_chunks=max_chunks)) if url else None
+        self._reader = CachedIndexReader(factory, ReaderConfig(**(reader or {})))
+        self._metrics = RouterMetrics(enable_ray=enable_metrics)
+        self._decided: dict[str, Decision] = {}  # internal request id -> decision (counted once)
+        self._local_load: dict[ReplicaID, int] = {}
+
+    def _ensure_state(self) -> None:
+        if not hasattr(self, "_policy"):  # initialize_state() is always called by Serve; be safe anyway
+            self.initialize_state()
+
+    @property
+    def decision_counts(self) -> dict[str, int]:
+        """Local tally of decisions by reason (this router instance only)."""
+        self._ensure_state()
+        return dict(self._metrics.counts)
+
+    def _load(self, r: RunningReplica) -> ReplicaLoad:
+        cached = self.replica_queue_len_cache.get(r.replica_id)
+        ongoing = max(self._local_load.get(r.replica_id, 0), cached or 0)
+        return ReplicaLoad(r.replica_id.unique_id, ongoing, r.max_ongoing_requests)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """Rank 1: the policy's choice; rank 2: everyone else (Serve takes the least loaded of a rank)."""
+        self._ensure_state()
+        if not candidate_replicas:
+            return []
+        chain = extract_chain(pending_request, self._max_chunks)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        matches: dict[str, int] | None = {}
+        if chain:
+            matches = (await self._reader.lookup(chain, list(by_id))).matches
+        decision = self._policy.decide([self._load(r) for r in candidate_replicas], chain, matches)
+        req_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        if req_id is None or req_id not in self._decided:
+            self._metrics.record(decision.reason, decision.matched_chunks)
+            if chain:
+                self._policy.record(chain, decision.replica_id)
+            if req_id is not None:
+                self._decided[req_id] = decision
+                while len(self._decided) > _MAX_TRACKED:  # requests that never completed (cancelled early)
+                    del self._decided[next(iter(self._decided))]
+        chosen = by_id[decision.replica_id]
+        rest = [by_id[rid] for rid in decision.ranking[1:] if rid in by_id]
+        return [[chosen], rest] if rest else [[chosen]]
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        self._ensure_state()
+        self._local_load[replica_id] = self._local_load.get(replica_id, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._ensure_state()
+        self._decided.pop(internal_request_id, None)
+        n = self._local_load.get(replica_id, 0)
+        if n > 1:
+            self._local_load[replica_id] = n - 1
+        else:
+            self._local_load.pop(replica_id, None)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._ensure_state()
+        live = {r.replica_id for r in replicas}
+        for rid in [rid for rid in self._local_load if rid not in live]:
+            del self._local_load[rid]
+            self._policy.forget_replica(rid.unique_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._ensure_state()
+        self._local_load.pop(replica_id, None)
+        self._policy.forget_replica(replica_id.unique_id)
+        self._reader.invalidate()
+
+
+def route_preview(policy: PrefixPolicy, loads: Sequence[ReplicaLoad], chain: Sequence[int],
+                  matches: dict[str, int] | None) -> Decision:
+    """The decision the router would take for these inputs, recording its hint (benchmarks, tools)."""
+    d = policy.decide(loads, chain, matches)
+    if chain:
+        policy.record(chain, d.replica_id)
+    return d
