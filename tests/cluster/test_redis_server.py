@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import redis
-
 from chunkserve.cluster.redis_server import RedisServer
 
 

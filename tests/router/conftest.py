@@ -6,7 +6,6 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-
 from chunkserve.cluster.redis_server import RedisServer
 
 
