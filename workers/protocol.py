@@ -10,9 +10,9 @@ Aborting (closing the generator, or `engine.abort(request_id)`) frees the reques
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
-from collections.abc import AsyncIterator
 
 from chunkserve.workers.sampling import SamplingParams
 

@@ -1,0 +1,183 @@
+"""PrefixKVCache behaviour: sharing, retention, eviction, pinning, hashing, bad input, memory bounds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from chunkserve.cluster.hashing import hash_chain
+from chunkserve.workers.chunk_pool import KVCacheFull
+from chunkserve.workers.kvcache import PrefixKVCache
+
+L, H, D = 2, 2, 8
+
+
+def kv(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, n, H, D, generator=g), torch.randn(L, n, H, D, generator=g)
+
+
+def make(num_chunks: int = 64, c: int = 16, **kw) -> PrefixKVCache:
+    return PrefixKVCache(L, H, D, chunk_size=c, num_chunks=num_chunks, **kw)
+
+
+def test_32_sequences_with_a_1024_token_prefix_store_it_once() -> None:
+    c, prefix, suffix, b = 64, 1024, 40, 32
+    cache = PrefixKVCache(1, 1, 4, chunk_size=c, num_chunks=1024)
+    pk = torch.randn(1, prefix, 1, 4)
+    for i in range(b):
+        toks = list(range(prefix)) + [5000 + i * 100 + t for t in range(suffix)]
+        k = torch.cat([pk, torch.randn(1, suffix, 1, 4)], 1)
+        cache.add_sequence(toks, k, k)
+    st = cache.stats()
+    assert st["kv_chunks_used"] == prefix // c + b * math.ceil(suffix / c)
+    # capacity multiplier = logical / physical tokens = 1 / (1 - r), within the chunk rounding
+    r = st["sharing_ratio"]
+    logical = b * (prefix + suffix)
+    physical_chunks = st["kv_chunks_used"] * c
+    measured = logical / physical_chunks
+    ideal = 1 / (1 - r)
+    assert st["logical_tokens"] == logical
+    assert ideal == pytest.approx(logical / (prefix + b * suffix))
+    # chunk rounding wastes < c slots per partly filled chunk (one per suffix here)
+    assert ideal >= measured >= logical / (prefix + b * suffix + b * (c - 1))
+    assert measured > 10  # 32 x 1064 tokens in 48 chunks
+    assert st["shared_tokens"] == prefix
+
+
+def test_fragmentation_loss_is_below_one_chunk_per_sequence() -> None:
+    c = 16
+    cache = make(num_chunks=256, c=c)
+    lengths = [1, 15, 16, 17, 31, 33, 100, 255]
+    for i, n in enumerate(lengths):
+        cache.add_sequence([10_000 * (i + 1) + t for t in range(n)], *kv(n, i))
+    st = cache.stats()
+    slots = st["kv_chunks_used"] * c
+    for n in lengths:  # per sequence, wasted slots <= c - 1, i.e. loss <= (c-1)/n
+        assert math.ceil(n / c) * c - n <= c - 1
+    assert slots - sum(lengths) <= len(lengths) * (c - 1)
+
+
+def test_finished_prefix_stays_cached_and_is_reused_without_rewriting() -> None:
+    cache = make()
+    toks = list(range(40))
+    k, v = kv(40)
+    s = cache.add_sequence(toks, k, v)
+    cache.remove_sequence(s)
+    assert cache.stats()["kv_chunks_cached"] == 3
+    assert cache.match(toks) == 40
+    k2 = torch.full_like(k, float("nan"))  # must not be written: everything is cached
+    s2 = cache.add_sequence(toks, k2, k2)
+    kk, _ = cache.read_kv(s2, 1)
+    assert torch.equal(kk, k[1])
+
+
+def test_reserve_with_a_cap_copies_the_cached_head_of_a_chunk() -> None:
+    cache = make()
+    toks = list(range(32))
+    k, v = kv(32)
+    cache.remove_sequence(cache.add_sequence(toks, k, v))
+    s, cached = cache.reserve(toks, max_cached=31)
+    assert cached == 31
+    chunks, offsets = cache.extend(s)
+    assert offsets.tolist() == [15]
+    cache.write(None, chunks, offsets, k[:, 31:], v[:, 31:])
+    kk, vv = cache.read_kv(s, 0)
+    assert torch.equal(kk, k[0]) and torch.equal(vv, v[0])
+
+
+def test_eviction_is_lru_and_leaves_first() -> None:
+    cache = make(num_chunks=6, c=4)
+    a = cache.add_sequence(list(range(8)), *kv(8, 1))  # 2 chunks
+    b = cache.add_sequence([100 + t for t in range(8)], *kv(8, 2))  # 2 chunks
+    cache.remove_sequence(a)
+    cache.remove_sequence(b)  # b is more recent
+    cache.add_sequence([200 + t for t in range(12)], *kv(12, 3))  # needs 3: 2 free + evict 1
+    assert cache.match(list(range(8))) == 4  # a's leaf went first; its root chunk remains
+    assert cache.match([100 + t for t in range(8)]) == 8
+
+
+def test_pool_full_of_live_data_raises_and_changes_nothing() -> None:
+    cache = make(num_chunks=4, c=4)
+    cache.add_sequence(list(range(16)), *kv(16))
+    before = cache.stats()
+    with pytest.raises(KVCacheFull):
+        cache.add_sequence([99] * 5, *kv(5))
+    assert cache.stats() == before
+
+
+def test_pinned_prefix_survives_eviction_until_unpinned() -> None:
+    cache = make(num_chunks=4, c=4)
+    s = cache.add_sequence(list(range(8)), *kv(8))
+    h = cache.pin(s)
+    cache.remove_sequence(s)
+    with pytest.raises(KVCacheFull):
+        cache.add_sequence([50 + t for t in range(12)], *kv(12))
+    assert cache.match(list(range(8))) == 8
+    cache.unpin(h)
+    cache.add_sequence([50 + t for t in range(12)], *kv(12))
+    assert cache.match(list(range(8))) < 8
+
+
+def test_hash_chain_matches_the_router_and_depends_on_salt() -> None:
+    c = 16
+    cache = make(c=c)
+    toks = list(range(50))
+    s = cache.add_sequence(toks, *kv(50), salt=b"tenant-a")
+    assert cache.seq_hashes(s) == hash_chain(toks, c, b"tenant-a")
+    assert hash_chain(toks, c, b"tenant-a") != hash_chain(toks, c, b"tenant-b")
+    events = cache.drain_events()
+    assert [e.chunk_hash for e in events if e.kind == "stored"] == hash_chain(toks, c, b"tenant-a")
+    assert cache.match(toks, salt=b"tenant-b") == 0  # scopes never share
+    cache.remove_sequence(s)
+    cache.clear()
+    assert sorted(e.chunk_hash for e in cache.drain_events() if e.kind == "evicted") == sorted(
+        hash_chain(toks, c, b"tenant-a"))
+
+
+def test_sharing_off_stores_every_sequence_separately() -> None:
+    cache = make(share_prefix=False)
+    k, v = kv(32)
+    a = cache.add_sequence(list(range(32)), k, v)
+    b = cache.add_sequence(list(range(32)), k, v)
+    assert set(cache.seq_chunks(a)).isdisjoint(cache.seq_chunks(b))
+    cache.remove_sequence(a)
+    assert cache.stats()["kv_chunks_cached"] == 0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: c.add_sequence([], torch.zeros(L, 0, H, D), torch.zeros(L, 0, H, D)),
+        lambda c: c.add_sequence([1, 2], torch.zeros(L, 3, H, D), torch.zeros(L, 3, H, D)),
+        lambda c: c.add_sequence([1, 2], torch.zeros(L, 2, H + 1, D), torch.zeros(L, 2, H + 1, D)),
+        lambda c: c.add_sequence([1, 2], torch.zeros(L, 2, H, D, dtype=torch.long),
+                                 torch.zeros(L, 2, H, D, dtype=torch.long)),
+        lambda c: c.add_sequence([1.5, 2.0], torch.zeros(L, 2, H, D), torch.zeros(L, 2, H, D)),
+        lambda c: c.append_token(12345, 1, torch.zeros(L, H, D), torch.zeros(L, H, D)),
+        lambda c: c.append_token(0, 1, torch.zeros(L, H, D + 1), torch.zeros(L, H, D + 1)),
+        lambda c: c.remove_sequence(777),
+        lambda c: c.context([0, 0]),
+    ],
+)
+def test_bad_input_raises_a_clear_error_and_leaves_the_cache_unchanged(call) -> None:
+    cache = make()
+    cache.add_sequence([1, 2, 3], *kv(3))
+    before, version = cache.stats(), cache.version
+    with pytest.raises((ValueError, KeyError, TypeError)):
+        call(cache)
+    assert cache.stats() == before and cache.version == version
+
+
+def test_context_rows_follow_tree_order_and_map_back_to_callers_order() -> None:
+    cache = make(c=4)
+    ids = [cache.add_sequence(t, *kv(len(t), i)) for i, t in enumerate(
+        [[9, 9, 9, 9, 1], [1, 2, 3, 4, 5, 6], [9, 9, 9, 9, 2, 2], [1, 2, 3, 4]])]
+    ctx = cache.context(ids)
+    order = ctx.order.tolist()
+    assert sorted(order) == [0, 1, 2, 3]
+    rows = [cache.seq_chunks(ids[o]) for o in order]
+    firsts = [r[0] for r in rows]
+    assert firsts == sorted(firsts, key=firsts.index)  # equal first chunks are adjacent
+    assert ctx.num_runs == 2 and all(j - i == 2 for i, j, *_ in ctx.runs_host)
