@@ -1,0 +1,155 @@
+"""Per-tenant admission: token buckets for requests/s and tokens/min, and a concurrency counter.
+
+Everything here is synchronous and never awaits, so each check-and-take runs atomically on the event loop
+(no locks, no blocking calls). One ``RateLimiter`` belongs to one ingress replica: with several replicas,
+each enforces the limits for the traffic it sees.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from chunkserve.router.tenants import Tenant
+
+Clock = Callable[[], float]
+
+
+class RateLimited(Exception):
+    """The tenant is over a limit (HTTP 429 / gRPC RESOURCE_EXHAUSTED); retry after ``retry_after`` s."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = max(0.0, retry_after)
+
+    @property
+    def retry_after_header(self) -> str:
+        """Whole seconds for the Retry-After header (at least 1)."""
+        return str(max(1, math.ceil(self.retry_after)))
+
+
+class TokenBucket:
+    """A bucket of ``capacity`` tokens refilled at ``rate`` tokens/s. Taking may drive it negative (debt)."""
+
+    def __init__(self, rate: float, capacity: float, clock: Clock = time.monotonic) -> None:
+        if rate <= 0 or capacity <= 0:
+            raise ValueError(f"rate and capacity must be > 0, got {rate}, {capacity}")
+        self.rate = float(rate)
+        self.capacity = float(capacity)
+        self._clock = clock
+        self._level = float(capacity)
+        self._t = clock()
+
+    def level(self) -> float:
+        now = self._clock()
+        self._level = min(self.capacity, self._level + (now - self._t) * self.rate)
+        self._t = now
+        return self._level
+
+    def wait_time(self, amount: float) -> float:
+        """Seconds until ``amount`` (capped at the capacity, so any request can pass some day) is there."""
+        need = min(float(amount), self.capacity)
+        return max(0.0, (need - self.level()) / self.rate)
+
+    def take(self, amount: float) -> None:
+        self._level = self.level() - float(amount)
+
+    def give_back(self, amount: float) -> None:
+        self._level = min(self.capacity, self.level() + float(amount))
+
+
+@dataclass
+class _TenantState:
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    max_concurrent: int | None
+    running: int = 0
+
+
+@dataclass
+class Lease:
+    """One admitted request. ``charge_tokens`` after tokenising, ``release`` when the request ends."""
+
+    limiter: RateLimiter
+    tenant_id: str
+    charged_tokens: int = 0
+    released: bool = field(default=False)
+
+    def charge_tokens(self, estimate: int) -> None:
+        """Charge the tokens/min bucket with ``estimate`` (prompt + max new tokens); raises RateLimited
+        (and releases the lease) when the bucket cannot cover it now."""
+        self.limiter._charge(self, estimate)
+
+    def release(self, actual_tokens: int | None = None) -> None:
+        """Frees the concurrency slot and refunds charged tokens beyond ``actual_tokens``. Idempotent."""
+        self.limiter._release(self, actual_tokens)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class RateLimiter:
+    """Admission for all tenants of one registry."""
+
+    def __init__(self, tenants: Mapping[str, Tenant], clock: Clock = time.monotonic) -> None:
+        self._clock = clock
+        self._state: dict[str, _TenantState] = {}
+        for t in tenants.values():
+            rl = t.rate_limit
+            req = None
+            if rl.requests_per_second is not None:
+                burst = rl.burst_requests or max(1, math.ceil(rl.requests_per_second))
+                req = TokenBucket(rl.requests_per_second, burst, clock)
+            tok = None
+            if rl.tokens_per_minute is not None:
+                tok = TokenBucket(rl.tokens_per_minute / 60.0, rl.tokens_per_minute, clock)
+            self._state[t.id] = _TenantState(req, tok, t.max_concurrent_requests)
+
+    def running(self, tenant_id: str) -> int:
+        return self._state[tenant_id].running
+
+    def acquire(self, tenant_id: str) -> Lease:
+        """Admits one request of ``tenant_id`` against its concurrency and requests/s limits."""
+        st = self._state.get(tenant_id)
+        if st is None:
+            raise KeyError(f"unknown tenant {tenant_id!r}")
+        if st.max_concurrent is not None and st.running >= st.max_concurrent:
+            raise RateLimited(f"tenant {tenant_id!r} has {st.running} requests running, "
+                              f"its limit is {st.max_concurrent} concurrent requests", retry_after=1.0)
+        if st.requests is not None:
+            wait = st.requests.wait_time(1)
+            if wait > 0:
+                raise RateLimited(f"tenant {tenant_id!r} is over its limit of "
+                                  f"{st.requests.rate:g} requests/s", retry_after=wait)
+            st.requests.take(1)
+        st.running += 1
+        return Lease(self, tenant_id)
+
+    def _charge(self, lease: Lease, estimate: int) -> None:
+        if lease.released:
+            raise RuntimeError("lease already released")
+        st = self._state[lease.tenant_id]
+        if st.tokens is None or estimate <= 0:
+            return
+        wait = st.tokens.wait_time(estimate)
+        if wait > 0:
+            self._release(lease, None)
+            raise RateLimited(f"tenant {lease.tenant_id!r} is over its limit of "
+                              f"{st.tokens.rate * 60:g} tokens/min", retry_after=wait)
+        st.tokens.take(estimate)
+        lease.charged_tokens += estimate
+
+    def _release(self, lease: Lease, actual_tokens: int | None) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        st = self._state[lease.tenant_id]
+        st.running -= 1
+        if st.tokens is not None and actual_tokens is not None and lease.charged_tokens > actual_tokens:
+            st.tokens.give_back(lease.charged_tokens - actual_tokens)

@@ -1,0 +1,100 @@
+"""Prometheus metrics of the frontends, in vLLM's style with the ``chunkserve:`` prefix.
+
+Each ``ServerMetrics`` owns its own ``CollectorRegistry`` (no process-global state), and ``/metrics``
+renders it. Labels: ``model_name`` and ``tenant`` (tenants come from the config, so the cardinality is
+bounded); errors are counted by status code.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 10.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0)
+
+
+class ServerMetrics:
+    """The frontend's metrics for one model, in a registry of their own."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        tl = ["model_name", "tenant"]
+        self.prefix_cache_queries = Counter(
+            "chunkserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", tl, registry=r)
+        self.prefix_cache_hits = Counter(
+            "chunkserve:prefix_cache_hits", "Prompt tokens served from the prefix cache.", tl, registry=r)
+        self.prompt_tokens = Counter("chunkserve:prompt_tokens", "Prompt tokens processed.", tl, registry=r)
+        self.generation_tokens = Counter(
+            "chunkserve:generation_tokens", "Tokens generated.", tl, registry=r)
+        self.request_success = Counter(
+            "chunkserve:request_success", "Requests that finished, by finish reason.",
+            tl + ["finished_reason"], registry=r)
+        self.request_errors = Counter(
+            "chunkserve:request_errors", "Requests rejected or failed, by status code.",
+            ["model_name", "code"], registry=r)
+        self.num_requests_running = Gauge(
+            "chunkserve:num_requests_running", "Requests generating tokens.", tl, registry=r)
+        self.num_requests_waiting = Gauge(
+            "chunkserve:num_requests_waiting", "Requests sent to the engine that have no first token yet.",
+            tl, registry=r)
+        self.kv_cache_usage_perc = Gauge(
+            "chunkserve:kv_cache_usage_perc", "Fraction of KV chunks in use (1 = full).", ["model_name"],
+            registry=r)
+        self.time_to_first_token = Histogram(
+            "chunkserve:time_to_first_token_seconds", "Time to the first token.", tl,
+            buckets=_TTFT_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram(
+            "chunkserve:time_per_output_token_seconds", "Time per output token after the first.", tl,
+            buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
+            "chunkserve:e2e_request_latency_seconds", "End-to-end request latency.", tl,
+            buckets=_E2E_BUCKETS, registry=r)
+
+    def _l(self, tenant: str) -> dict[str, str]:
+        return {"model_name": self.model_name, "tenant": tenant}
+
+    def request_waiting(self, tenant: str) -> None:
+        self.num_requests_waiting.labels(**self._l(tenant)).inc()
+
+    def first_token(self, tenant: str, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
+        """The request moved from waiting to running."""
+        lab = self._l(tenant)
+        self.num_requests_waiting.labels(**lab).dec()
+        self.num_requests_running.labels(**lab).inc()
+        self.time_to_first_token.labels(**lab).observe(max(0.0, ttft_s))
+        self.prefix_cache_queries.labels(**lab).inc(prompt_tokens)
+        self.prefix_cache_hits.labels(**lab).inc(cached_tokens)
+        self.prompt_tokens.labels(**lab).inc(prompt_tokens)
+
+    def request_done(self, tenant: str, started: bool, e2e_s: float, decode_s: float, output_tokens: int,
+                     finish_reason: str) -> None:
+        """The request ended (finished, aborted or failed); ``started`` says whether it had a first token."""
+        lab = self._l(tenant)
+        if started:
+            self.num_requests_running.labels(**lab).dec()
+        else:
+            self.num_requests_waiting.labels(**lab).dec()
+        self.generation_tokens.labels(**lab).inc(output_tokens)
+        self.e2e_request_latency.labels(**lab).observe(max(0.0, e2e_s))
+        if output_tokens > 1:
+            self.time_per_output_token.labels(**lab).observe(max(0.0, decode_s) / (output_tokens - 1))
+        self.request_success.labels(**lab, finished_reason=finish_reason).inc()
+
+    def error(self, status: int | str) -> None:
+        self.request_errors.labels(model_name=self.model_name, code=str(status)).inc()
+
+    def set_kv_usage(self, fraction: float) -> None:
+        self.kv_cache_usage_perc.labels(model_name=self.model_name).set(fraction)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)
