@@ -1,0 +1,213 @@
+"""The OpenAI-compatible FastAPI app over an ``Ingress``: routes, SSE streaming and error JSON.
+
+Every error is OpenAI error JSON; bad input never yields a 500. A client that disconnects mid-stream
+closes the body iterator, which closes the engine generator and so frees the request's KV chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from chunkserve.router.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    models_response,
+    parse_request,
+    sse,
+    usage_body,
+    validation_to_api_error,
+)
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from chunkserve.router.ingress import Ingress, Prepared
+
+logger = logging.getLogger(__name__)
+
+
+class AbortOnDisconnectStreamingResponse(StreamingResponse):
+    """Streams the body while watching for the client's disconnect; either way the body iterator is
+    closed (shielded from cancellation), so the request behind it is aborted at once."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def _stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away while we were sending
+                        pass
+                    except Exception:
+                        logger.exception("streaming response failed")
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(_stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def create_app(ingress: Ingress) -> FastAPI:
+    """The FastAPI app serving /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
+    app = FastAPI(title="chunkserve", version="1", docs_url=None, redoc_url=None)
+    max_body = ingress.config.max_body_bytes
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        ingress.metrics.error(exc.status)
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        ingress.metrics.error(400)
+        return _error_response(validation_to_api_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        ingress.metrics.error(exc.status_code)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error on %s", request.url.path)
+        ingress.metrics.error(500)
+        return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await ingress.engine_stats()
+        return Response(ingress.metrics.render(), media_type=ingress.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        ingress.authenticate(request.headers.get("authorization"))
+        return models_response([ingress.config.model_name], ingress.created)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+        ingress.authenticate(request.headers.get("authorization"))
+        ingress.check_model(model_id)
+        return models_response([model_id], ingress.created)["data"][0]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        tenant = ingress.authenticate(request.headers.get("authorization"))
+        req = parse_request(await request.body(), CompletionRequest, max_body)
+        prep = await ingress.prepare(tenant, req, ingress.new_request_id("cmpl"))
+        if req.stream:
+            return await _start_stream(ingress, prep, _completion_events(ingress, prep))
+        text, _tokens, last = await ingress.collect(prep)
+        usage = usage_body(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+        return JSONResponse(completion_response(prep.request.request_id, prep.model, prep.created, text,
+                                                last.finish_reason, usage))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        tenant = ingress.authenticate(request.headers.get("authorization"))
+        req = parse_request(await request.body(), ChatCompletionRequest, max_body)
+        prep = await ingress.prepare(tenant, req, ingress.new_request_id("chatcmpl"))
+        if req.stream:
+            return await _start_stream(ingress, prep, _chat_events(ingress, prep))
+        text, _tokens, last = await ingress.collect(prep)
+        usage = usage_body(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+        return JSONResponse(chat_response(prep.request.request_id, prep.model, prep.created, text,
+                                          last.finish_reason, usage))
+
+    return app
+
+
+async def _start_stream(ingress: Ingress, prep: Prepared, events: AsyncIterator[bytes]) -> Response:
+    """Waits for the first event so that errors before the first token still get a proper status code,
+    then streams the rest as SSE."""
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        first = b""
+    except BaseException:
+        await events.aclose()  # type: ignore[attr-defined]
+        raise
+
+    async def body() -> AsyncIterator[bytes]:
+        async with aclosing(events):  # type: ignore[type-var]
+            if first:
+                yield first
+            async for ev in events:
+                yield ev
+
+    return AbortOnDisconnectStreamingResponse(body(), media_type="text/event-stream",
+                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[bytes]:
+    rid, model, created = prep.request.request_id, prep.model, prep.created
+    last = None
+    first = True
+    try:
+        async with aclosing(ingress.stream(prep)) as stream:
+            async for d in stream:
+                last = d
+                if kind == "chat":
+                    if first:
+                        yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+                    if d.text or d.finish_reason is not None:
+                        delta = {"content": d.text} if d.text else {}
+                        yield sse(chat_chunk(rid, model, created, delta, d.finish_reason))
+                elif d.text or d.finish_reason is not None:
+                    yield sse(completion_chunk(rid, model, created, d.text, d.finish_reason))
+                first = False
+    except APIError as e:
+        if first:
+            raise
+        yield sse(e.body())
+        yield sse("[DONE]")
+        return
+    if last is None or last.finish_reason in (None, "abort"):
+        err = APIError(503, "the engine ended the request before it finished", "server_error",
+                       code="engine_aborted")
+        if first:
+            raise err
+        yield sse(err.body())
+    elif prep.include_usage:
+        usage = usage_body(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+        if kind == "chat":
+            yield sse(chat_chunk(rid, model, created, None, usage=usage))
+        else:
+            yield sse(completion_chunk(rid, model, created, None, usage=usage))
+    yield sse("[DONE]")
+
+
+def _chat_events(ingress: Ingress, prep: Prepared) -> AsyncIterator[bytes]:
+    return _events(ingress, prep, "chat")
+
+
+def _completion_events(ingress: Ingress, prep: Prepared) -> AsyncIterator[bytes]:
+    return _events(ingress, prep, "completion")

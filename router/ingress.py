@@ -1,0 +1,324 @@
+"""The frontend logic shared by HTTP (OpenAI API) and gRPC, independent of Ray.
+
+authenticate -> rate-limit -> tokenize (+ chat template) -> hash chain with the tenant's salt
+-> engine client -> stream back. ``Ingress`` holds it all; ``chunkserve.router.http_app.create_app``
+builds the FastAPI app on it, and its ``Generate`` / ``GenerateStream`` methods are the gRPC service
+(``grpc_context`` is Ray Serve's ``RayServegRPCContext`` or a ``grpc.aio.ServicerContext``).
+
+A Ray Serve deployment wraps it with ``@serve.deployment`` + ``@serve.ingress()`` on a subclass with an
+``async def __init__`` that builds the engine client from a DeploymentHandle (``HandleEngineClient``);
+``__serve_build_asgi_app__`` supplies the FastAPI app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
+from chunkserve.cluster.hashing import hash_chain
+from chunkserve.router.grpc_service import GrpcServiceMixin
+from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
+from chunkserve.router.ratelimit import Lease, RateLimited, RateLimiter
+from chunkserve.router.server_metrics import ServerMetrics
+from chunkserve.router.tenants import AuthError, Tenant, TenantRegistry
+from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
+from chunkserve.workers.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_THREAD_TOKENIZE_CHARS = 4096  # longer texts are tokenised in a worker thread, off the event loop
+
+
+class EngineClient(Protocol):
+    """What the ingress calls: streams the deltas of one request; closing the iterator aborts it."""
+
+    def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncIterator[GenerateDelta]: ...
+
+
+class LocalEngineClient:
+    """An in-process engine (``workers.protocol.EngineProtocol``) as an engine client."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncIterator[GenerateDelta]:
+        return self.engine.generate(request)
+
+    async def stats(self) -> dict:
+        return dict(self.engine.stats())
+
+
+class HandleEngineClient:
+    """A Ray Serve DeploymentHandle to the worker deployment as an engine client.
+
+    Calls ``handle.options(stream=True).<method>.remote(request, chunk_hashes=...)`` so a prefix-aware
+    request router can read the hashes from the kwargs; an early exit cancels the call, which closes
+    the worker's generator and frees the request's KV chunks."""
+
+    def __init__(self, handle: Any, method: str = "generate") -> None:
+        self._handle = handle.options(stream=True)
+        self._method = method
+
+    async def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncIterator[GenerateDelta]:
+        gen = getattr(self._handle, self._method).remote(request, chunk_hashes=chunk_hashes)
+        finished = False
+        try:
+            async for delta in gen:
+                if delta.finish_reason is not None:
+                    finished = True
+                yield delta
+        finally:
+            if not finished:
+                gen.cancel()
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    """Frontend settings for one served model."""
+
+    model_name: str
+    max_model_len: int  # context length in tokens (prompt + output)
+    chunk_size: int  # the engine's KV chunk size, for the hash chain
+    default_max_tokens: int = 256  # when a request gives none (capped by the space left in the context)
+    max_body_bytes: int = 4 << 20
+    vocab_size: int | None = None  # token-id bound for raw token prompts (default: len(tokenizer))
+    max_hashed_chunks: int | None = DEFAULT_MAX_DEPTH  # leading chunks hashed (what the router looks up)
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "chunk_size", "default_max_tokens", "max_body_bytes"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+@dataclass
+class Prepared:
+    """A request that passed every check and holds a rate-limit lease."""
+
+    tenant: Tenant
+    lease: Lease
+    request: GenerateRequest
+    chunk_hashes: list[int]
+    model: str
+    created: int
+    t0: float
+    include_usage: bool = False
+
+
+def _rate_limited(e: RateLimited) -> APIError:
+    return APIError(429, e.message, type="rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": e.retry_after_header})
+
+
+class Ingress(GrpcServiceMixin):
+    """Authentication, admission, tokenisation, hashing and streaming for HTTP and gRPC."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Any, tenants: TenantRegistry, config: IngressConfig,
+                 metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.tenants = tenants
+        self.config = config
+        self.limiter = RateLimiter(tenants.tenants)
+        self.metrics = metrics if metrics is not None else ServerMetrics(config.model_name)
+        self.created = int(time.time())
+        self._vocab = config.vocab_size or len(tokenizer)
+        self._app: Any = None
+
+    # ---- Ray Serve hook ------------------------------------------------------------------------------
+    def __serve_build_asgi_app__(self) -> Any:
+        """The FastAPI app (Ray Serve calls this after ``__init__`` under ``@serve.ingress()``)."""
+        if self._app is None:
+            from chunkserve.router.http_app import create_app
+
+            self._app = create_app(self)
+        return self._app
+
+    # ---- checks --------------------------------------------------------------------------------------
+    def authenticate(self, authorization: str | None) -> Tenant:
+        try:
+            return self.tenants.authenticate_header(authorization)
+        except AuthError as e:
+            raise APIError(401, str(e), type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"}) from None
+
+    def authenticate_metadata(self, metadata: Sequence[tuple[str, Any]]) -> Tenant:
+        try:
+            return self.tenants.authenticate_metadata(metadata)
+        except AuthError as e:
+            raise APIError(401, str(e), type="authentication_error", code="invalid_api_key") from None
+
+    def check_model(self, model: str) -> str:
+        if model != self.config.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.config.model_name}`", param="model", code="model_not_found")
+        return model
+
+    def _encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def tokenize(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """Prompt token ids (chat requests go through the tokenizer's chat template)."""
+        try:
+            if isinstance(req, ChatCompletionRequest):
+                msgs = req.template_messages()
+                size = sum(len(m["content"]) for m in msgs)
+                fn, arg = self._encode_chat, msgs
+            elif isinstance(req.prompt, str):
+                size, fn, arg = len(req.prompt), self._encode_text, req.prompt
+            else:
+                ids = list(req.prompt)  # type: ignore[arg-type]
+                bad = [t for t in ids if t >= self._vocab]
+                if bad:
+                    raise APIError(400, f"prompt token id {bad[0]} is out of range for a vocabulary of "
+                                        f"{self._vocab}", param="prompt", code="invalid_value")
+                return ids
+            if size > _THREAD_TOKENIZE_CHARS:
+                return await asyncio.to_thread(fn, arg)
+            return fn(arg)
+        except APIError:
+            raise
+        except Exception as e:  # e.g. a chat template that rejects the roles given
+            raise APIError(400, f"could not tokenize the input: {e}", param=None, code="invalid_value") from None
+
+    def _sampling(self, req: CompletionRequest | ChatCompletionRequest, n_prompt: int) -> SamplingParams:
+        ctx = self.config.max_model_len
+        if n_prompt >= ctx:
+            raise APIError(413, f"the prompt has {n_prompt} tokens; this model's context is {ctx} tokens, "
+                                f"so at most {ctx - 1} prompt tokens fit", param="messages"
+                           if isinstance(req, ChatCompletionRequest) else "prompt",
+                           code="context_length_exceeded")
+        requested = req.requested_max_tokens()
+        room = ctx - n_prompt
+        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        if requested is None:
+            max_tokens = min(self.config.default_max_tokens, room)
+        elif requested > ctx:
+            raise APIError(400, f"{param}={requested} is above this model's context of {ctx} tokens",
+                           param=param, code="invalid_value")
+        elif requested > room:
+            raise APIError(400, f"this model's context is {ctx} tokens; the prompt has {n_prompt} tokens and "
+                                f"{param}={requested}, so at most {room} can be generated",
+                           param=param, code="context_length_exceeded")
+        else:
+            max_tokens = requested
+        top_k = req.top_k if req.top_k and req.top_k > 0 else 0
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else float(req.temperature),
+                top_p=1.0 if req.top_p is None else float(req.top_p),
+                top_k=top_k, seed=req.seed, stop=req.stop_list())
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+
+    async def prepare(self, tenant: Tenant, req: CompletionRequest | ChatCompletionRequest,
+                      request_id: str) -> Prepared:
+        """Every check before the engine runs; raises APIError (4xx). Holds a lease on success."""
+        t0 = time.monotonic()
+        self.check_model(req.model)
+        try:
+            lease = self.limiter.acquire(tenant.id)
+        except RateLimited as e:
+            raise _rate_limited(e) from None
+        try:
+            ids = await self.tokenize(req)
+            sampling = self._sampling(req, len(ids))
+            lease.charge_tokens(len(ids) + sampling.max_tokens)
+            hashes = hash_chain(ids, self.config.chunk_size, tenant.cache_salt, self.config.max_hashed_chunks)
+        except RateLimited as e:
+            raise _rate_limited(e) from None
+        except BaseException:
+            lease.release()
+            raise
+        greq = GenerateRequest(request_id=request_id, prompt_token_ids=tuple(ids), sampling=sampling,
+                               cache_salt=tenant.cache_salt, tenant=tenant.id)
+        return Prepared(tenant=tenant, lease=lease, request=greq, chunk_hashes=hashes, model=req.model,
+                        created=int(time.time()), t0=t0, include_usage=req.include_usage)
+
+    # ---- running ---------------------------------------------------------------------------------------
+    async def stream(self, prep: Prepared) -> AsyncIterator[GenerateDelta]:
+        """The engine's deltas for a prepared request. Closing this iterator early aborts the request;
+        the lease is released and the metrics recorded whatever happens. Engine errors become APIError."""
+        tenant = prep.tenant.id
+        n_prompt = len(prep.request.prompt_token_ids)
+        self.metrics.request_waiting(tenant)
+        started, out, reason, t_first = False, 0, "abort", prep.t0
+        try:
+            async with aclosing(self.engine.generate(prep.request, prep.chunk_hashes)) as agen:
+                while True:
+                    d = await _next_delta(agen)
+                    if d is None:
+                        break
+                    if not started and (d.token_ids or d.finish_reason is not None):
+                        started, t_first = True, time.monotonic()
+                        self.metrics.first_token(tenant, t_first - prep.t0, n_prompt, d.num_cached_tokens)
+                    out = d.num_output_tokens
+                    if d.finish_reason is not None:
+                        reason = d.finish_reason
+                    yield d
+                    if d.finish_reason is not None:
+                        break
+        finally:
+            prep.lease.release(n_prompt + out)
+            now = time.monotonic()
+            self.metrics.request_done(tenant, started, now - prep.t0, now - t_first, out, reason)
+
+    async def collect(self, prep: Prepared) -> tuple[str, list[int], GenerateDelta]:
+        """Runs a prepared request to the end: (text, token ids, last delta)."""
+        texts: list[str] = []
+        tokens: list[int] = []
+        last: GenerateDelta | None = None
+        async with aclosing(self.stream(prep)) as s:
+            async for d in s:
+                texts.append(d.text)
+                tokens.extend(d.token_ids)
+                last = d
+        if last is None or last.finish_reason is None or last.finish_reason == "abort":
+            raise APIError(503, "the engine ended the request before it finished", type="server_error",
+                           code="engine_aborted")
+        return "".join(texts), tokens, last
+
+    async def engine_stats(self) -> dict | None:
+        """The engine's stats when the engine client offers them (and the KV-usage gauge refreshed)."""
+        fn = getattr(self.engine, "stats", None)
+        if fn is None:
+            return None
+        try:
+            stats = fn()
+            if asyncio.iscoroutine(stats):
+                stats = await stats
+        except Exception:  # metrics must never fail a scrape
+            logger.exception("engine stats failed")
+            return None
+        used, total = stats.get("kv_chunks_used"), stats.get("kv_chunks_total")
+        if used is not None and total:
+            self.metrics.set_kv_usage(float(used) / float(total))
+        return stats
+
+    @staticmethod
+    def new_request_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def _next_delta(agen: AsyncIterator[GenerateDelta]) -> GenerateDelta | None:
+    """The next delta, or None at the end. The engine's ValueErrors (a request it cannot hold, e.g. one
+    larger than the KV pool) become 413 / 400."""
+    try:
+        return await agen.__anext__()
+    except StopAsyncIteration:
+        return None
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        code = 413 if any(w in msg.lower() for w in ("long", "pool", "context")) else 400
+        raise APIError(code, f"the engine rejected the request: {msg}", code="invalid_value") from None
