@@ -1,0 +1,153 @@
+"""PrefixAwareRouter inside a real Ray Serve app, with a real Redis index.
+
+The deployment defined here stands in for a worker: it keeps the chunk hashes of the prompts it served
+in a set, publishes them to the index under its Ray replica id, and returns that id and its hit count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+from chunkserve.cluster.events import CacheEvent, WorkerPublisher
+from chunkserve.cluster.hashing import hash_chain
+from chunkserve.cluster.index import PrefixIndex
+from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.router.policy import rendezvous_weight
+from chunkserve.router.request_router import extract_chain
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+pytestmark = pytest.mark.slow
+
+NS = "raytest"
+CHUNK = 64
+LEASE_TTL_S = 2.0
+
+
+@serve.deployment(num_replicas=2, max_ongoing_requests=32, ray_actor_options={"num_cpus": 0})
+class PrefixEcho:
+    def __init__(self, redis_url: str) -> None:
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.held: set[int] = set()
+        self.pub = WorkerPublisher(redis_url, self.replica_id, namespace=NS, lease_ttl_s=LEASE_TTL_S,
+                                   snapshot=lambda: list(self.held)).start()
+
+    async def __call__(self, chunk_hashes: list[int] | None = None, store: list[int] | None = None,
+                       delay_s: float = 0.0) -> dict[str, Any]:
+        chain = list(chunk_hashes or store or [])
+        hit = next((i for i, h in enumerate(chain) if h not in self.held), len(chain))
+        events = [CacheEvent("stored", h, depth=i) for i, h in enumerate(chain) if h not in self.held]
+        self.held.update(chain)
+        await asyncio.to_thread(self.pub.publish, events)  # one round trip per "engine step"
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        return {"replica": self.replica_id, "hit": hit, "actor": ray.get_runtime_context().current_actor}
+
+
+@pytest.fixture(scope="module")
+def app(redis_server: RedisServer) -> Iterator[Any]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        router_cfg = RequestRouterConfig(
+            request_router_class="chunkserve.router.request_router.PrefixAwareRouter",
+            request_router_kwargs={"redis_url": redis_server.url, "namespace": NS,
+                                   "policy": {"spill_abs": 3, "spill_rel": 1.5},
+                                   "reader": {"timeout_s": 0.05}},
+        )
+        handle = serve.run(PrefixEcho.options(request_router_config=router_cfg).bind(redis_server.url),
+                           name="prefix-echo", route_prefix=None)
+        yield handle
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _tenant_chain(tenant: int, n_tokens: int = 512) -> list[int]:
+    return hash_chain([tenant * 7919 + i for i in range(n_tokens)], CHUNK, f"tenant-{tenant}".encode())
+
+
+def _call(handle: Any, **kw: Any) -> dict[str, Any]:
+    return handle.remote(**kw).result(timeout_s=30)
+
+
+def test_extract_chain_reads_kwarg_attribute_and_dict() -> None:
+    class Req:
+        def __init__(self, args: list[Any], kwargs: dict[str, Any]) -> None:
+            self.args, self.kwargs = args, kwargs
+
+    class Prompt:
+        chunk_hashes = [5, 6, 7]
+
+    assert extract_chain(Req([], {"chunk_hashes": [1, 2, 3]}), 2) == [1, 2]  # type: ignore[arg-type]
+    assert extract_chain(Req([Prompt()], {}), 8) == [5, 6, 7]  # type: ignore[arg-type]
+    assert extract_chain(Req([{"chunk_hashes": [9]}], {}), 8) == [9]  # type: ignore[arg-type]
+    assert extract_chain(Req(["text"], {"chunk_hashes": ["x"]}), 8) == []  # type: ignore[arg-type]
+
+
+def test_same_chain_lands_on_the_replica_holding_it(app: Any, redis_server: RedisServer) -> None:
+    tenants = [_tenant_chain(t) for t in range(4)]
+    placed: dict[int, list[str]] = defaultdict(list)
+    hits = oracle = 0
+    for i in range(40):
+        t = i % 4
+        out = _call(app, chunk_hashes=tenants[t])
+        placed[t].append(out["replica"])
+        hits += out["hit"]
+        oracle += len(tenants[t]) if i >= 4 else 0
+    for t, reps in placed.items():
+        assert all(r == reps[0] for r in reps[1:]), f"tenant {t} moved between replicas: {Counter(reps)}"
+    assert hits >= 0.9 * oracle
+    # Replicas publish under serve.get_replica_context().replica_id.unique_id, and the index knows them.
+    idx = PrefixIndex(redis_server.url, namespace=NS)
+    replicas = set(idx.live_workers())
+    assert {r for reps in placed.values() for r in reps} <= replicas and len(replicas) == 2
+    idx.close()
+
+
+def test_index_entry_overrides_rendezvous(app: Any, redis_server: RedisServer) -> None:
+    """Proves the router maps RunningReplica ids to the ids workers publish under."""
+    idx = PrefixIndex(redis_server.url, namespace=NS)
+    a, b = sorted(idx.live_workers())
+    # A cold chain whose rendezvous owner is `a` ...
+    chain = next(c for c in (_tenant_chain(100 + s) for s in range(64))
+                 if rendezvous_weight(c[0], a) > rendezvous_weight(c[0], b))
+    # ... is first stored on `b` (requests without a chain go to the least loaded replica, rotating).
+    for _ in range(10):
+        if _call(app, store=chain)["replica"] == b:
+            break
+    assert idx.longest_prefixes(chain, [b]) == {b: len(chain)}
+    assert _call(app, chunk_hashes=chain)["replica"] == b
+    idx.close()
+
+
+def test_hot_tenant_spills_to_the_other_replica(app: Any) -> None:
+    hot = _tenant_chain(7)
+    _call(app, chunk_hashes=hot)  # warm one replica
+    responses = [app.remote(chunk_hashes=hot, delay_s=0.5) for _ in range(16)]
+    served = Counter(r.result(timeout_s=30)["replica"] for r in responses)
+    assert len(served) == 2, f"hot tenant never spilled: {served}"
+    assert max(served.values()) <= 0.8 * 16
+
+
+def test_killed_replica_entries_are_ignored_within_lease_ttl(app: Any, redis_server: RedisServer) -> None:
+    chain = _tenant_chain(42)
+    out = _call(app, chunk_hashes=chain)
+    victim = out["replica"]
+    idx = PrefixIndex(redis_server.url, namespace=NS)
+    assert idx.longest_prefixes(chain, [victim]) == {victim: len(chain)}
+    ray.kill(out["actor"], no_restart=True)
+    t0 = time.monotonic()
+    while idx.longest_prefixes(chain, [victim]) and time.monotonic() - t0 < 3 * LEASE_TTL_S:
+        time.sleep(0.1)
+    assert idx.longest_prefixes(chain, [victim]) == {}
+    assert time.monotonic() - t0 <= LEASE_TTL_S + 1.0
+    # Requests keep succeeding on the surviving / replacement replica; none hangs.
+    results = [_call(app, chunk_hashes=chain) for _ in range(3)]
+    assert all(r["replica"] != victim for r in results)
+    idx.close()
