@@ -17,6 +17,7 @@ import asyncio
 import heapq
 import itertools
 import json
+import os
 import random
 import time
 from collections import Counter, OrderedDict
@@ -74,7 +75,19 @@ def bench_latency(url: str, replicas: int, prefixes: int, chunks_per_prefix: int
         await reader.aclose()
         return out
 
+    async def ping_times() -> list[float]:
+        idx = AsyncPrefixIndex(url, namespace="lat")
+        out = []
+        for q in range(queries + 200):
+            t0 = time.perf_counter()
+            await idx.ping()
+            if q >= 200:
+                out.append(time.perf_counter() - t0)
+        await idx.aclose()
+        return out
+
     admin = PrefixIndex(url, namespace="lat").client
+    ping = np.array(asyncio.run(ping_times())) * 1e3
     admin.config_resetstat()
     miss = np.array(asyncio.run(run(0.0))) * 1e3
     stats = admin.info("commandstats").get("cmdstat_evalsha", {"calls": 1, "usec": 0})
@@ -85,7 +98,9 @@ def bench_latency(url: str, replicas: int, prefixes: int, chunks_per_prefix: int
     return {"replicas": replicas, "prefixes": prefixes, "index_entries": entries, "queries": queries,
             "p50_ms": float(np.percentile(miss, 50)), "p99_ms": float(np.percentile(miss, 99)),
             "cached_p50_ms": float(np.percentile(hit, 50)), "cached_p99_ms": float(np.percentile(hit, 99)),
-            "redis_server_us_per_lookup": server_us}
+            "redis_server_us_per_lookup": server_us,
+            "ping_p50_ms": float(np.percentile(ping, 50)), "ping_p99_ms": float(np.percentile(ping, 99)),
+            "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count()}
 
 
 # -- part 2: hit rate on a multi-tenant trace -------------------------------------------------------
@@ -230,10 +245,12 @@ def main() -> None:
         hr = bench_hit_rate(srv.url, args.sim_replicas, args.tenants, args.requests, args.capacity,
                             args.rate, args.seed)
     print(f"\nRouter decision latency ({lat['replicas']} replicas, {lat['prefixes']} prefixes, "
-          f"{lat['index_entries']} index entries, {lat['queries']} decisions)")
+          f"{lat['index_entries']} index entries, {lat['queries']} decisions; "
+          f"load avg {lat['load_avg_1m']:.1f} on {lat['cpus']} CPUs)")
     print(f"  {'path':<28}{'p50 ms':>10}{'p99 ms':>10}")
     print(f"  {'Redis round trip + policy':<28}{lat['p50_ms']:>10.3f}{lat['p99_ms']:>10.3f}")
     print(f"  {'local cache hit + policy':<28}{lat['cached_p50_ms']:>10.3f}{lat['cached_p99_ms']:>10.3f}")
+    print(f"  {'bare PING (baseline)':<28}{lat['ping_p50_ms']:>10.3f}{lat['ping_p99_ms']:>10.3f}")
     print(f"  Redis server time per lookup (Lua, all replicas): {lat['redis_server_us_per_lookup']:.1f} us")
     print(f"\nCluster hit rate ({args.sim_replicas} workers x {args.capacity} chunks, {args.tenants} tenants, "
           f"{args.requests} requests)")
