@@ -82,6 +82,11 @@ class CausalLM:
         self._cos = (freqs.cos() * scale).to(device=self.device, dtype=self.dtype)  # [P, D/2]
         self._sin = (freqs.sin() * scale).to(device=self.device, dtype=self.dtype)  # [P, D/2]
 
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes one token occupies across all layers, in the model dtype."""
+        c = self.config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.embed.element_size()
+
     @classmethod
     def from_state_dict(cls, config: ModelConfig, sd: Mapping[str, torch.Tensor], *,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
@@ -249,14 +254,12 @@ class DenseCausalAttention:
         k = k if pk is None else torch.cat((pk, k))  # [S, Hkv, D]
         v = v if pv is None else torch.cat((pv, v))
         self.k[layer], self.v[layer] = k, v
-        t, hq, d = q.shape
-        s, hkv = k.shape[0], k.shape[1]
-        g = hq // hkv
-        scale = self.scale if self.scale is not None else d ** -0.5
-        qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
-        scores = torch.matmul(qg, k.permute(1, 2, 0).unsqueeze(1)) * scale  # [Hkv, G, T, S]
-        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)  # query i sees keys <= s-t+i
-        scores = scores.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(p, v.permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, T, D]
-        return o.permute(2, 0, 1, 3).reshape(t, hq, d)
+        t, s = q.shape[0], k.shape[0]
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        mask = None
+        if t != s:  # query i sits at position s - t + i and sees keys 0..s-t+i
+            mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)  # [T, S]
+        o = F.scaled_dot_product_attention(  # [Hq, T, D]
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+            is_causal=mask is None, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1).contiguous()

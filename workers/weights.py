@@ -67,8 +67,21 @@ def embedded_checkpoint_dir(*, progress: bool = True) -> Path:
     key = f"{EMBEDDED_NAME}-v{version}-{gguf.stat().st_size}-f{_CACHE_FORMAT}"
     final = cache_root() / "models" / key
     if not (final / "config.json").is_file():
-        _convert_gguf(gguf, final, progress=progress)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with open(final.parent / f".{key}.lock", "w") as lock:  # one converter at a time; others wait
+            _flock(lock)
+            if not (final / "config.json").is_file():
+                _convert_gguf(gguf, final, progress=progress)
     return final
+
+
+def _flock(f: Any) -> None:
+    """Exclusive advisory lock held until `f` closes (no-op where fcntl is missing; rename stays atomic)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
 
 
 def _convert_gguf(gguf: Path, final: Path, *, progress: bool) -> None:

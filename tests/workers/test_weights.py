@@ -187,3 +187,7 @@ def test_embedded_smollm2_is_cached_and_matches_transformers_gguf(hf_gguf: tuple
     out = _logits(model, ids)
     assert (out - ref).abs().max().item() < 1e-3
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    # the cache is a plain HF checkpoint: transformers loads it (fast) with the very same weights
+    hf_cached = AutoModelForCausalLM.from_pretrained(str(ckpt), local_files_only=True, attn_implementation="eager")
+    with torch.no_grad():
+        assert torch.equal(hf_cached(torch.tensor([ids])).logits[0], ref)
