@@ -12,7 +12,7 @@ from typing import Any
 SUPPORTED_MODEL_TYPES: Mapping[str, str] = MappingProxyType(
     {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,8 @@ class ModelConfig:
             rs.pop("type", None)
             rs.pop("rope_theta", None)
             rs["rope_type"] = rtype
+            if float(rs.get("partial_rotary_factor", 1.0)) != 1.0:
+                raise NotImplementedError("partial_rotary_factor != 1 is not implemented")
             object.__setattr__(self, "rope_scaling", None if rtype == "default" else rs)
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,39 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled), 1.0
+    if rtype == "yarn":
+        return _yarn_inv_freq(cfg, rs)
     raise NotImplementedError(f"RoPE scaling type {rtype!r} is not implemented")
+
+
+def _yarn_inv_freq(cfg: ModelConfig, rs: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers computes it: ramped inv_freq blend + cos/sin attention factor."""
+    d, base = cfg.head_dim, cfg.rope_theta
+    orig = int(rs.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    factor = float(rs.get("factor") or cfg.max_position_embeddings / orig)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn_factor = rs.get("attention_factor")
+    if attn_factor is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attn_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def corr_dim(rot: float) -> float:
+        return (d * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(float(rs.get("beta_fast") or 32)), corr_dim(float(rs.get("beta_slow") or 1))
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [D/2]
+    pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attn_factor)
 
 
 @dataclass(frozen=True)
@@ -198,13 +230,16 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        """Run all layers over T flattened tokens; returns the final-normed hidden states [T, H]."""
+        """Run all layers over T flattened tokens; returns the final-normed hidden states [T, H].
+
+        Positions are range-checked when they are on the CPU (no device sync otherwise; an out-of-range
+        index then fails inside index_select)."""
         c = self.config
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must both be 1-D [T]; got {tuple(input_ids.shape)} "
                              f"and {tuple(positions.shape)}")
         t = input_ids.shape[0]
-        if t and int(positions.max()) >= c.max_position_embeddings:
+        if t and positions.device.type == "cpu" and int(positions.max()) >= c.max_position_embeddings:
             raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings "
                              f"{c.max_position_embeddings}")
         input_ids = input_ids.to(self.device)

@@ -63,7 +63,8 @@ def test_forward_matches_transformers_llama_eager(heads: int, kv_heads: int, hea
     {"rope_type": "linear", "factor": 4.0},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 64, "rope_theta": 500000.0},
-], ids=["linear", "llama3"])
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+], ids=["linear", "llama3", "yarn"])
 def test_rope_scaling_matches_transformers(rope: dict[str, Any]) -> None:
     hf = _hf_llama(4, 2, 32, 128, rope=rope)
     ours = _ours(hf)
@@ -78,7 +79,7 @@ def test_rope_scaling_matches_transformers(rope: dict[str, Any]) -> None:
     assert not torch.allclose(rope_inv_freq(unscaled)[0], rope_inv_freq(ours.config)[0])
 
 
-@pytest.mark.parametrize("rtype", ["dynamic", "yarn", "longrope"])
+@pytest.mark.parametrize("rtype", ["dynamic", "longrope"])
 def test_unimplemented_rope_scaling_raises(rtype: str) -> None:
     with pytest.raises(NotImplementedError, match=rtype):
         ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
