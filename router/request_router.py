@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections import Counter
 from typing import Any
 
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.index import DEFAULT_NAMESPACE, AsyncPrefixIndex
 from chunkserve.cluster.reader import CachedIndexReader, ReaderConfig
 from chunkserve.router.metrics import RouterMetrics
-from chunkserve.router.policy import Decision, PolicyConfig, PrefixPolicy, ReplicaLoad
+from chunkserve.router.policy import PolicyConfig, PrefixPolicy, ReplicaLoad
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 REDIS_URL_ENV = "CHUNKSERVE_REDIS_URL"
 CHAIN_KWARG = "chunk_hashes"
 _MAX_TRACKED = 100_000
+_RESERVATION_TTL_S = 600.0
 
 
 def extract_chain(pending_request: PendingRequest | None, max_chunks: int) -> list[int]:
@@ -68,8 +70,12 @@ class PrefixAwareRouter(RequestRouter):
         factory = (lambda: AsyncPrefixIndex(url, namespace=namespace, max_chunks=max_chunks)) if url else None
         self._reader = CachedIndexReader(factory, ReaderConfig(**(reader or {})))
         self._metrics = RouterMetrics(enable_ray=enable_metrics)
-        self._decided: dict[str, Decision] = {}  # internal request id -> decision (counted once)
-        self._local_load: dict[ReplicaID, int] = {}
+        # internal request id -> (worker id it is counted on, decision time); counted from the decision
+        # on, so concurrent routing tasks see each other's choices before any request is sent.
+        self._reserved: dict[str, tuple[str, float]] = {}
+        self._local_load: Counter[str] = Counter()
+        self._known: set[str] = set()
+        self._last_sweep = time.monotonic()
 
     def _ensure_state(self) -> None:
         if not hasattr(self, "_policy"):  # initialize_state() is always called by Serve; be safe anyway
@@ -82,9 +88,30 @@ class PrefixAwareRouter(RequestRouter):
         return dict(self._metrics.counts)
 
     def _load(self, r: RunningReplica) -> ReplicaLoad:
+        wid = r.replica_id.unique_id
         cached = self.replica_queue_len_cache.get(r.replica_id)
-        ongoing = max(self._local_load.get(r.replica_id, 0), cached or 0)
-        return ReplicaLoad(r.replica_id.unique_id, ongoing, r.max_ongoing_requests)
+        return ReplicaLoad(wid, max(self._local_load[wid], cached or 0), r.max_ongoing_requests)
+
+    def _reserve(self, req_id: str, wid: str) -> None:
+        self._release(req_id)
+        self._reserved[req_id] = (wid, time.monotonic())
+        self._local_load[wid] += 1
+
+    def _release(self, req_id: str) -> None:
+        prev = self._reserved.pop(req_id, None)
+        if prev is not None:
+            self._local_load[prev[0]] -= 1
+            if self._local_load[prev[0]] <= 0:
+                del self._local_load[prev[0]]
+
+    def _sweep_stale(self) -> None:
+        """Forget reservations of requests that never completed (cancelled before being sent)."""
+        now = time.monotonic()
+        if now - self._last_sweep < 10.0 and len(self._reserved) < _MAX_TRACKED:
+            return
+        self._last_sweep = now
+        for req_id in [k for k, (_, t) in self._reserved.items() if now - t > _RESERVATION_TTL_S]:
+            self._release(req_id)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -99,52 +126,41 @@ class PrefixAwareRouter(RequestRouter):
             matches = (await self._reader.lookup(chain, list(by_id))).matches
         decision = self._policy.decide([self._load(r) for r in candidate_replicas], chain, matches)
         req_id = pending_request.metadata.internal_request_id if pending_request is not None else None
-        if req_id is None or req_id not in self._decided:
+        prev = self._reserved.get(req_id) if req_id is not None else None
+        if prev is None:  # first decision for this request (Serve re-asks while replicas are full)
             self._metrics.record(decision.reason, decision.matched_chunks)
             if chain:
                 self._policy.record(chain, decision.replica_id)
-            if req_id is not None:
-                self._decided[req_id] = decision
-                while len(self._decided) > _MAX_TRACKED:  # requests that never completed (cancelled early)
-                    del self._decided[next(iter(self._decided))]
+        if req_id is not None and (prev is None or prev[0] != decision.replica_id):
+            self._reserve(req_id, decision.replica_id)
+        self._sweep_stale()
+        logger.debug("route %d chunks, matches %s -> %s", len(chain), matches, decision)
         chosen = by_id[decision.replica_id]
         rest = [by_id[rid] for rid in decision.ranking[1:] if rid in by_id]
         return [[chosen], rest] if rest else [[chosen]]
 
-    def on_send_request(self, replica_id: ReplicaID) -> None:
-        super().on_send_request(replica_id)
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._ensure_state()
-        self._local_load[replica_id] = self._local_load.get(replica_id, 0) + 1
+        req_id = pending_request.metadata.internal_request_id
+        prev = self._reserved.get(req_id)
+        if prev is not None and prev[0] != replica_id.unique_id:  # Serve fell back to another rank
+            self._reserve(req_id, replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._ensure_state()
-        self._decided.pop(internal_request_id, None)
-        n = self._local_load.get(replica_id, 0)
-        if n > 1:
-            self._local_load[replica_id] = n - 1
-        else:
-            self._local_load.pop(replica_id, None)
+        self._release(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._ensure_state()
-        live = {r.replica_id for r in replicas}
-        for rid in [rid for rid in self._local_load if rid not in live]:
-            del self._local_load[rid]
-            self._policy.forget_replica(rid.unique_id)
+        live = {r.replica_id.unique_id for r in replicas}
+        for wid in self._known - live:
+            self._policy.forget_replica(wid)
+        self._known = live
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._ensure_state()
-        self._local_load.pop(replica_id, None)
         self._policy.forget_replica(replica_id.unique_id)
+        self._known.discard(replica_id.unique_id)
         self._reader.invalidate()
-
-
-def route_preview(policy: PrefixPolicy, loads: Sequence[ReplicaLoad], chain: Sequence[int],
-                  matches: dict[str, int] | None) -> Decision:
-    """The decision the router would take for these inputs, recording its hint (benchmarks, tools)."""
-    d = policy.decide(loads, chain, matches)
-    if chain:
-        policy.record(chain, d.replica_id)
-    return d

@@ -58,7 +58,7 @@ def app(redis_server: RedisServer) -> Iterator[Any]:
             request_router_class="chunkserve.router.request_router.PrefixAwareRouter",
             request_router_kwargs={"redis_url": redis_server.url, "namespace": NS,
                                    "policy": {"spill_abs": 3, "spill_rel": 1.5},
-                                   "reader": {"timeout_s": 0.05}},
+                                   "reader": {"timeout_s": 0.5}},
         )
         handle = serve.run(PrefixEcho.options(request_router_config=router_cfg).bind(redis_server.url),
                            name="prefix-echo", route_prefix=None)
