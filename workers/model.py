@@ -253,7 +253,7 @@ class CausalLM:
             q, k, v = F.linear(x, lw.w_qkv, lw.b_qkv).split(split, dim=-1)  # [T, Hq*D], [T, Hkv*D] x2
             q = self._rope(q.view(t, c.num_heads, c.head_dim), cos, sin)  # [T, Hq, D]
             k = self._rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)  # [T, Hkv, D]
-            o = attn(i, q, k, v.reshape(t, c.num_kv_heads, c.head_dim))  # [T, Hq, D]
+            o = attn(i, q, k, v.reshape(t, c.num_kv_heads, c.head_dim).contiguous())  # [T, Hq, D]
             h = h + F.linear(o.reshape(t, c.q_size), lw.w_o, lw.b_o)
             x = self._rms_norm(h, lw.ln2)
             gate, up = F.linear(x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)  # [T, I] x2

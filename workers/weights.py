@@ -183,6 +183,10 @@ def load_checkpoint_dir(path: str | os.PathLike[str], *, dtype: torch.dtype, dev
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
     """Default fp32 on CPU, bf16 on CUDA. CPU accepts fp32/bf16, CUDA fp16/bf16/fp32."""
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {str(device)!r}; use 'cpu' or 'cuda[:n]'")
     if dtype is None or dtype == "auto":
         if dev.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

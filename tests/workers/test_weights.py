@@ -139,6 +139,9 @@ def test_missing_tensor_and_bad_dtype_raise_value_error(tmp_path: Path) -> None:
         load_model(tmp_path)
     with pytest.raises(ValueError, match="float16 is not supported on CPU"):
         load_model("random:tiny", dtype=torch.float16, tokenizer=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            load_model("random:tiny", device="cuda", tokenizer=False)
     with pytest.raises(TypeError):
         load_model(42)  # type: ignore[arg-type]
 
