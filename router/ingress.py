@@ -28,6 +28,7 @@ from chunkserve.router.openai_api import APIError, ChatCompletionRequest, Comple
 from chunkserve.router.ratelimit import Lease, RateLimited, RateLimiter
 from chunkserve.router.server_metrics import ServerMetrics
 from chunkserve.router.tenants import AuthError, Tenant, TenantRegistry
+from chunkserve.workers.async_engine import EngineError
 from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
 from chunkserve.workers.sampling import SamplingParams
 
@@ -53,6 +54,12 @@ class LocalEngineClient:
 
     async def stats(self) -> dict:
         return dict(self.engine.stats())
+
+    async def aclose(self) -> None:
+        """Stops the engine (its step thread is joined off the event loop)."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            await asyncio.to_thread(shutdown)
 
 
 class HandleEngineClient:
@@ -302,7 +309,9 @@ class Ingress(GrpcServiceMixin):
             logger.exception("engine stats failed")
             return None
         used, total = stats.get("kv_chunks_used"), stats.get("kv_chunks_total")
-        if used is not None and total:
+        if "kv_cache_usage_perc" in stats:
+            self.metrics.set_kv_usage(float(stats["kv_cache_usage_perc"]))
+        elif used is not None and total:
             self.metrics.set_kv_usage(float(used) / float(total))
         return stats
 
@@ -312,13 +321,21 @@ class Ingress(GrpcServiceMixin):
 
 
 async def _next_delta(agen: AsyncIterator[GenerateDelta]) -> GenerateDelta | None:
-    """The next delta, or None at the end. The engine's ValueErrors (a request it cannot hold, e.g. one
-    larger than the KV pool) become 413 / 400."""
+    """The next delta, or None at the end. A request the engine rejects (longer than its context or KV
+    pool: 413; other bad input: 400) or fails (503) becomes an APIError."""
     try:
         return await agen.__anext__()
     except StopAsyncIteration:
         return None
-    except (ValueError, TypeError) as e:
+    except (EngineError, ValueError, TypeError) as e:
         msg = str(e)
-        code = 413 if any(w in msg.lower() for w in ("long", "pool", "context")) else 400
-        raise APIError(code, f"the engine rejected the request: {msg}", code="invalid_value") from None
+        low = msg.lower()
+        if "exceeds" in low or "does not fit" in low:
+            status = 413
+        elif isinstance(e, EngineError) and "step failed" in low:
+            status = 503
+        else:
+            status = 400
+        raise APIError(status, f"the engine rejected the request: {msg}",
+                       type="server_error" if status == 503 else "invalid_request_error",
+                       code="context_length_exceeded" if status == 413 else None) from None

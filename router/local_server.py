@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 import grpc
 import uvicorn
 from chunkserve.router.grpc_service import add_to_grpc_server
-from chunkserve.router.ingress import Ingress
+from chunkserve.router.ingress import Ingress, IngressConfig, LocalEngineClient
+from chunkserve.router.tenants import TenantRegistry, load_tenants
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,3 +125,17 @@ class LocalServer:
             if close is not None:
                 await close()
             sock.close()
+
+
+def local_ingress(engine_config: Any = None, tenants: TenantRegistry | None = None,
+                  model_name: str = "chunkserve", **ingress_options: Any) -> Ingress:
+    """An ingress over an in-process ``AsyncEngine`` (``engine_config``: a ``workers.engine.EngineConfig``;
+    None = the embedded default model). ``tenants`` None = open mode. Call it inside the serving loop."""
+    from chunkserve.workers.async_engine import AsyncEngine
+
+    engine = AsyncEngine(engine_config)
+    core = engine.core
+    config = IngressConfig(model_name=model_name, max_model_len=core.max_model_len,
+                           chunk_size=core.cache.chunk_size, vocab_size=core.model_config.vocab_size,
+                           **ingress_options)
+    return Ingress(LocalEngineClient(engine), engine.tokenizer, tenants or load_tenants(None), config)
