@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 from chunkserve.kernels.context import ChunkContext
+from chunkserve.kernels.torch_ops import Workspace
 
 BACKENDS = ("torch", "triton", "paged-torch", "paged-triton", "reference", "auto")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -38,7 +39,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def get_decode_fn(backend: str) -> DecodeFn:
-    """The decode function ``fn(q_sorted, k_pool_l, v_pool_l, ctx, scale, out=None)`` of a backend."""
+    """The decode function ``fn(q_sorted, k_pool_l, v_pool_l, ctx, scale, out=None, workspace=None)``."""
     if backend == "torch":
         from chunkserve.kernels.tpp_torch import tpp_decode_torch
 
@@ -97,13 +98,17 @@ def decode_attention(
     scale: float | None = None,
     backend: str = "auto",
     out: torch.Tensor | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """Decode attention on tree-ordered queries. q_sorted: [b, Hq, D] -> [b, Hq, D] (tree order)."""
+    """Decode attention on tree-ordered queries. q_sorted: [b, Hq, D] -> [b, Hq, D] (tree order).
+
+    ``out`` receives the result if given; ``workspace`` (reused across calls) holds scratch buffers.
+    """
     name = resolve_backend(backend, k_pool_l.device)
     check_decode_inputs(q_sorted, k_pool_l, v_pool_l, ctx.batch_size)
     if scale is None:
         scale = float(q_sorted.shape[-1]) ** -0.5
-    return get_decode_fn(name)(q_sorted, k_pool_l, v_pool_l, ctx, float(scale), out=out)
+    return get_decode_fn(name)(q_sorted, k_pool_l, v_pool_l, ctx, float(scale), out=out, workspace=workspace)
 
 
 def chunk_attention(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from chunkserve.kernels.context import ChunkContext
-from chunkserve.kernels.torch_ops import dense_chunk_pass
+from chunkserve.kernels.torch_ops import Workspace, combine_partials, dense_chunk_pass, group_size, num_groups
 
 
 def paged_decode_torch(
@@ -19,20 +19,25 @@ def paged_decode_torch(
     ctx: ChunkContext,
     scale: float,
     out: torch.Tensor | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Paged decode attention. q_sorted: [b, Hq, D] tree order; pools [Hkv, N, c, D] -> [b, Hq, D]."""
     b, hq, d = q_sorted.shape
-    hkv = k_pool_l.shape[0]
+    hkv, _n, c, _d = k_pool_l.shape
     g = hq // hkv
+    dev = q_sorted.device
+    ws = workspace or Workspace()
     qf = q_sorted.float()
-    o_acc = torch.zeros(b, hkv, g, d, dtype=torch.float32, device=q_sorted.device)
-    lse_acc = torch.full((b, hkv, g), float("-inf"), dtype=torch.float32, device=q_sorted.device)
     counts = [int(x) for x in (ctx.block_tokens > 0).sum(dim=1).tolist()]
-    dense_chunk_pass(
-        qf.view(b, hkv, g, d), k_pool_l, v_pool_l, ctx.block_table, ctx.block_tokens, counts, o_acc, lse_acc, scale
-    )
-    res = o_acc.view(b, hq, d)
+    group = group_size(counts, b, hkv, c, d, k_pool_l.element_size())
+    slots = max(1, num_groups(counts, group))
+    part_o = ws.take("part_o", (slots, b, hkv, g, d), torch.float32, dev).zero_()
+    part_lse = ws.take("part_lse", (slots, b, hkv, g), torch.float32, dev).fill_(float("-inf"))
+    dense_chunk_pass(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, ctx.block_table, ctx.block_tokens, counts, group,
+                     part_o, part_lse, scale, ws)
+    res = combine_partials(part_o.view(slots, b, hq, d), part_lse.view(slots, b, hq),
+                           ws.take("res", (b, hq, d), torch.float32, dev))
     if out is None:
-        return res.to(q_sorted.dtype)
+        return res.to(q_sorted.dtype, copy=True)
     out.copy_(res)
     return out

@@ -18,6 +18,7 @@ def paged_decode_triton(
     ctx: ChunkContext,
     scale: float,
     out: torch.Tensor | None = None,
+    workspace: object | None = None,
 ) -> torch.Tensor:
     """Paged decode in Triton. q_sorted: [b, Hq, D] tree order; pools [Hkv, N, c, D] -> [b, Hq, D]."""
     check_triton_inputs(q_sorted, k_pool_l)

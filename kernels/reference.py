@@ -13,6 +13,7 @@ def reference_decode(
     ctx: ChunkContext,
     scale: float,
     out: torch.Tensor | None = None,
+    workspace: object | None = None,
 ) -> torch.Tensor:
     """Slow ground truth. q_sorted: [b, Hq, D] tree order; pools [Hkv, N, c, D] -> [b, Hq, D]."""
     b, hq, d = q_sorted.shape

@@ -14,11 +14,33 @@ from __future__ import annotations
 import torch
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-UPCAST_TILE_BYTES = 16 << 20  # fp32 bytes of K (and again of V) converted per tile when up-casting
+UPCAST_TILE_BYTES = 8 << 20  # fp32 bytes of K (and again of V) converted per tile when up-casting
+
+
+class Workspace:
+    """Reusable scratch buffers (large allocations are page-faulted afresh on every call otherwise).
+
+    Not thread-safe: one per engine / benchmark loop. ``take`` returns a view of a named buffer,
+    growing it when a larger one is needed.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            self._bufs[name] = buf
+        return buf[:numel].view(shape)
 
 
 def partial_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None = None,
+    ws: Workspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of fp32 queries over keys ``k``/``v`` (any float dtype), returning fp32 ``(o, lse)``.
 
@@ -26,7 +48,7 @@ def partial_attention(
     broadcastable to [B, H, M, T] (``-inf`` drops a key) or None. -> o: [B, H, M, D], lse: [B, H, M].
     """
     if k.dtype != torch.float32:
-        return _partial_upcast(q, k, v, scale, bias)
+        return _partial_upcast(q, k, v, scale, bias, ws or Workspace())
     if _FLASH_CPU is not None and q.device.type == "cpu":
         o, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
         return o, lse
@@ -43,19 +65,21 @@ def partial_attention(
 
 
 def _partial_upcast(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None, ws: Workspace
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up-cast K/V to fp32 in token tiles that stay in cache, merging the tiles' partials."""
     b, h, t, d = k.shape
     tile = max(16, UPCAST_TILE_BYTES // max(1, b * h * d * 4))
-    if tile >= t:
-        return partial_attention(q, k.float(), v.float(), scale, bias)
     o_acc: torch.Tensor | None = None
     lse_acc: torch.Tensor | None = None
     for t0 in range(0, t, tile):
         t1 = min(t, t0 + tile)
         bias_t = None if bias is None else bias[..., t0:t1]
-        o, lse = partial_attention(q, k[:, :, t0:t1].float(), v[:, :, t0:t1].float(), scale, bias_t)
+        kf = ws.take("up_k", (b, h, t1 - t0, d), torch.float32, k.device)
+        vf = ws.take("up_v", (b, h, t1 - t0, d), torch.float32, k.device)
+        kf.copy_(k[:, :, t0:t1])
+        vf.copy_(v[:, :, t0:t1])
+        o, lse = partial_attention(q, kf, vf, scale, bias_t)
         if o_acc is None or lse_acc is None:
             o_acc, lse_acc = o, lse
         else:
@@ -79,6 +103,16 @@ def merge_into(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse:
     lse_acc.copy_(m + torch.log(tot))
 
 
+def group_size(counts: list[int], b: int, hkv: int, c: int, d: int, elem: int, group_bytes: int = 32 << 20) -> int:
+    """Chunk positions gathered per step so that the K+V gather buffer stays near ``group_bytes``."""
+    p_max = max(counts, default=0)
+    return max(1, min(max(p_max, 1), group_bytes // max(1, 2 * b * hkv * c * d * elem)))
+
+
+def num_groups(counts: list[int], group: int) -> int:
+    return -(-max(counts, default=0) // group)
+
+
 def dense_chunk_pass(
     q4: torch.Tensor,
     k_pool_l: torch.Tensor,
@@ -86,67 +120,68 @@ def dense_chunk_pass(
     table: torch.Tensor,
     tokens: torch.Tensor,
     counts: list[int],
-    o_acc: torch.Tensor,
-    lse_acc: torch.Tensor,
+    group: int,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
     scale: float,
-    group_bytes: int = 64 << 20,
+    ws: Workspace,
 ) -> None:
-    """Attend each row over its chunk list, merging into the accumulators; loops over chunk positions.
+    """Attend each row over its chunk list, one partial per position group; loops over chunk positions.
 
     q4: [b, Hkv, g, D] fp32; k/v_pool_l: [Hkv, N, c, D]; table, tokens: [b, P] chunk ids / valid
-    tokens (padding has 0 tokens); counts: host list, chunks per row; o_acc: [b, Hkv, g, D];
-    lse_acc: [b, Hkv, g]. Chunk positions are processed ``G`` at a time: the chunks of all rows still
-    active at those positions are gathered into one buffer (one index_select per position group)
-    and attended with one batched call. Invalid slots are zeroed in the buffer and masked, so NaN
-    in free pool slots cannot leak.
+    tokens (padding has 0 tokens); counts: host list, chunks per row. Positions are processed
+    ``group`` at a time: the chunks of all rows still active there are gathered into one reusable
+    buffer and attended in one batched call, whose partial goes to ``part_o[k]: [b, Hkv, g, D]``,
+    ``part_lse[k]: [b, Hkv, g]`` (rows not active keep ``-inf``). Invalid slots of partly filled
+    chunks are zeroed in the buffer and masked, so NaN in free pool slots cannot leak.
     """
     b, hkv, g, d = q4.shape
     c = k_pool_l.shape[2]
-    p_max = max(counts, default=0)
-    if p_max == 0:
-        return
-    per_pos = 2 * b * hkv * c * d * k_pool_l.element_size()
-    group = max(1, min(p_max, group_bytes // max(1, per_pos)))
     counts_t = torch.tensor(counts, dtype=torch.int64)
     ar = torch.arange(c, device=tokens.device)
-    for p0 in range(0, p_max, group):
-        p1 = min(p_max, p0 + group)
+    for k, p0 in enumerate(range(0, max(counts, default=0), group)):
+        p1 = min(max(counts), p0 + group)
         gsz = p1 - p0
         active = torch.nonzero(counts_t > p0).flatten()
         n_act = int(active.numel())
-        if n_act == b:
-            ids = table[:, p0:p1]
-            tok = tokens[:, p0:p1]
-            q_a = q4
-        else:
-            rows = active.to(table.device)
-            ids = table.index_select(0, rows)[:, p0:p1]
-            tok = tokens.index_select(0, rows)[:, p0:p1]
-            q_a = q4.index_select(0, rows)
+        rows = None if n_act == b else active.to(table.device)
+        ids = table[:, p0:p1] if rows is None else table.index_select(0, rows)[:, p0:p1]
+        tok = (tokens[:, p0:p1] if rows is None else tokens.index_select(0, rows)[:, p0:p1]).reshape(-1)
+        q_a = q4 if rows is None else q4.index_select(0, rows)
         flat_ids = ids.reshape(-1).to(torch.int64)
-        kb = k_pool_l.index_select(1, flat_ids)  # [Hkv, n_act*gsz, c, D]
-        vb = v_pool_l.index_select(1, flat_ids)
-        valid = ar[None, None, :] < tok[:, :, None]  # [n_act, gsz, c]
-        partial = bool((tok < c).any())
+        buf_shape = (hkv, n_act * gsz, c, d)
+        kb = torch.index_select(k_pool_l, 1, flat_ids, out=ws.take("gather_k", buf_shape, k_pool_l.dtype, q4.device))
+        vb = torch.index_select(v_pool_l, 1, flat_ids, out=ws.take("gather_v", buf_shape, v_pool_l.dtype, q4.device))
+        part = torch.nonzero(tok < c).flatten()
         bias = None
-        if partial:
-            bad = (~valid).reshape(1, n_act * gsz, c, 1)
-            kb.masked_fill_(bad, 0.0)
-            vb.masked_fill_(bad, 0.0)
-            bias = torch.zeros(n_act, 1, 1, gsz * c, dtype=torch.float32, device=q4.device)
-            bias.masked_fill_(~valid.reshape(n_act, 1, 1, gsz * c), float("-inf"))
+        if part.numel():  # zero the invalid slots of the few partly filled (or padding) chunks
+            bad = ar[None, :] >= tok.index_select(0, part)[:, None]  # [n_part, c]
+            for buf in (kb, vb):
+                sub = buf.index_select(1, part).masked_fill_(bad[None, :, :, None], 0.0)
+                buf.index_copy_(1, part, sub)
+            bias = torch.zeros(n_act * gsz, c, dtype=torch.float32, device=q4.device)
+            bias.index_copy_(0, part, torch.zeros(bad.shape, device=q4.device).masked_fill_(bad, float("-inf")))
+            bias = bias.view(n_act, 1, 1, gsz * c)
         kv_shape = (hkv, n_act, gsz * c, d)
         o, lse = partial_attention(
-            q_a,
-            kb.view(kv_shape).permute(1, 0, 2, 3),
-            vb.view(kv_shape).permute(1, 0, 2, 3),
-            scale,
-            bias,
+            q_a, kb.view(kv_shape).permute(1, 0, 2, 3), vb.view(kv_shape).permute(1, 0, 2, 3), scale, bias, ws
         )
-        if n_act == b:
-            merge_into(o_acc, lse_acc, o, lse)
+        if rows is None:
+            part_o[k].copy_(o)
+            part_lse[k].copy_(lse)
         else:
-            o_sub, lse_sub = o_acc.index_select(0, rows), lse_acc.index_select(0, rows)
-            merge_into(o_sub, lse_sub, o, lse)
-            o_acc.index_copy_(0, rows, o_sub)
-            lse_acc.index_copy_(0, rows, lse_sub)
+            part_o[k].index_copy_(0, rows, o)
+            part_lse[k].index_copy_(0, rows, lse)
+
+
+def combine_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Merge S partials per row with one log-sum-exp (deterministic, fixed order), into ``out``.
+
+    part_o: [S, b, H, D] fp32 (normalised); part_lse: [S, b, H] (``-inf`` = absent) -> out: [b, H, D].
+    """
+    m = part_lse.amax(dim=0)  # [b, H]
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(part_lse - m)  # [S, b, H]
+    w = w / w.sum(dim=0).clamp_min(torch.finfo(torch.float32).tiny)
+    out.copy_((part_o * w.unsqueeze(-1)).sum(dim=0))
+    return out

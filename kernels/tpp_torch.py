@@ -3,18 +3,26 @@
 Phase 1 (chunk-first): for every shared run, the stacked queries of the rows it covers, with the
 GQA heads of each kv head packed into rows (``[Hkv, (j-i)*g, D]``), attend the run's keys in one
 batched call. A run stored in consecutive chunk ids is read as a view of the pool; its partial
-(o, lse) in fp32 is merged into the rows' accumulators right away, in run order (deterministic).
+partial (o, lse) in fp32 goes to one slot of a partial stack (rows ``[i, j)`` of slot ``r``).
 
 Phase 2 (sequence-first): the private chunks of all rows are attended position group by position
-group (``torch_ops.dense_chunk_pass``), merging into the same accumulators. Python loops run over
-runs and chunk positions only.
+group (``torch_ops.dense_chunk_pass``), one more slot per group; then every row merges its slots
+with one log-sum-exp (``combine_partials``: fixed order, no atomics, deterministic). Python loops
+run over runs and chunk positions only.
 """
 
 from __future__ import annotations
 
 import torch
 from chunkserve.kernels.context import ChunkContext
-from chunkserve.kernels.torch_ops import dense_chunk_pass, merge_into, partial_attention
+from chunkserve.kernels.torch_ops import (
+    Workspace,
+    combine_partials,
+    dense_chunk_pass,
+    group_size,
+    num_groups,
+    partial_attention,
+)
 
 
 def _run_kv(
@@ -66,35 +74,40 @@ def tpp_decode_torch(
     ctx: ChunkContext,
     scale: float,
     out: torch.Tensor | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """TPP decode attention. q_sorted: [b, Hq, D] in tree order; pools: [Hkv, N, c, D] -> [b, Hq, D].
 
     ``out`` (optional, [b, Hq, D], q's dtype) receives the result.
     """
     b, hq, d = q_sorted.shape
-    hkv = k_pool_l.shape[0]
+    hkv, _n, c, _d = k_pool_l.shape
     g = hq // hkv
+    dev = q_sorted.device
+    ws = workspace or Workspace()
     qf = q_sorted.float()  # [b, Hq, D]
-    o_acc = torch.zeros(b, hkv, g, d, dtype=torch.float32, device=q_sorted.device)
-    lse_acc = torch.full((b, hkv, g), float("-inf"), dtype=torch.float32, device=q_sorted.device)
-    # phase 1: one batched partial per shared run, queries of its rows stacked (GQA packed)
+    table, tokens, counts = private_table(ctx)
+    group = group_size(counts, b, hkv, c, d, k_pool_l.element_size())
+    slots = ctx.num_runs + num_groups(counts, group)
+    part_o = ws.take("part_o", (max(slots, 1), b, hkv, g, d), torch.float32, dev).zero_()
+    part_lse = ws.take("part_lse", (max(slots, 1), b, hkv, g), torch.float32, dev).fill_(float("-inf"))
+    # phase 1: one batched partial per shared run, the queries of its rows stacked (GQA packed)
     for r in range(ctx.num_runs):
         i, j = ctx.runs_host[r][0], ctx.runs_host[r][1]
         n = j - i
         q_run = qf[i:j].view(n, hkv, g, d).transpose(0, 1).reshape(1, hkv, n * g, d)
-        flat = _run_flat_index(ctx, r, q_sorted.device)
+        flat = _run_flat_index(ctx, r, dev)
         k = _run_kv(k_pool_l, ctx, r, flat).unsqueeze(0)  # [1, Hkv, T, D]
         v = _run_kv(v_pool_l, ctx, r, flat).unsqueeze(0)
-        o, lse = partial_attention(q_run, k, v, scale)  # [1, Hkv, n*g, D], [1, Hkv, n*g]
-        o = o.view(hkv, n, g, d).transpose(0, 1)
-        lse = lse.view(hkv, n, g).transpose(0, 1)
-        o_rows, lse_rows = o_acc[i:j], lse_acc[i:j]
-        merge_into(o_rows, lse_rows, o, lse)
-    # phase 2: private chunks, position group by position group
-    table, tokens, counts = private_table(ctx)
-    dense_chunk_pass(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, table, tokens, counts, o_acc, lse_acc, scale)
-    res = o_acc.view(b, hq, d)
+        o, lse = partial_attention(q_run, k, v, scale, None, ws)  # [1, Hkv, n*g, D], [1, Hkv, n*g]
+        part_o[r, i:j].copy_(o.view(hkv, n, g, d).transpose(0, 1))
+        part_lse[r, i:j].copy_(lse.view(hkv, n, g).transpose(0, 1))
+    # phase 2: private chunks position group by position group, then one merge per row
+    dense_chunk_pass(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, table, tokens, counts, group,
+                     part_o[ctx.num_runs :], part_lse[ctx.num_runs :], scale, ws)
+    res = combine_partials(part_o.view(-1, b, hq, d), part_lse.view(-1, b, hq),
+                           ws.take("res", (b, hq, d), torch.float32, dev))
     if out is None:
-        return res.to(q_sorted.dtype)
+        return res.to(q_sorted.dtype, copy=True)
     out.copy_(res)
     return out

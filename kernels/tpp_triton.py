@@ -189,6 +189,7 @@ def tpp_decode_triton(
     ctx: ChunkContext,
     scale: float,
     out: torch.Tensor | None = None,
+    workspace: object | None = None,
     n_split: int | None = None,
 ) -> torch.Tensor:
     """TPP decode in Triton. q_sorted: [b, Hq, D] tree order; pools [Hkv, N, c, D] -> [b, Hq, D]."""

@@ -1,0 +1,128 @@
+"""Helpers of the kernel benchmark: timers (wall clock on CPUs, CUDA graphs on GPUs), machine
+rates (copy bandwidth, matmul rate) measured in the same process, and the bytes each method reads.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+Fn = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Rates measured in this run: bytes/s a large copy moves (read + write), matmul flop/s."""
+
+    copy_bw: float
+    matmul_flops: float
+    device: str
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """Times callables on one device; on CUDA each is captured in a CUDA graph and replayed.
+
+    ``fns`` is a list of equivalent callables, each over its own copy of the data (KV sets):
+    a timing round replays them in turn, so on GPUs the next call's data is not in L2.
+    """
+
+    def __init__(self, device: torch.device, use_graphs: bool = True) -> None:
+        self.device = device
+        self.use_graphs = use_graphs and device.type == "cuda"
+
+    def prepare(self, fns: list[Fn]) -> list[Fn]:
+        if not self.use_graphs:
+            return fns
+        out: list[Fn] = []
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for f in fns:  # warm up (compiles Triton kernels) outside the capture
+                f()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        sync(self.device)
+        for f in fns:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                f()
+            out.append(graph.replay)
+        sync(self.device)
+        return out
+
+    def once(self, fns: list[Fn], inner: int = 1) -> float:
+        """Seconds per call, averaged over one pass over ``fns`` repeated ``inner`` times."""
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                for f in fns:
+                    f()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / (inner * len(fns))
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            for f in fns:
+                f()
+        return (time.perf_counter() - t0) / (inner * len(fns))
+
+
+def median_us(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e6
+
+
+def _copy_bw(device: torch.device, timer: Timer) -> float:
+    n = (256 << 20) // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    copy = timer.prepare([lambda: dst.copy_(src)])
+    timer.once(copy)
+    return 2 * src.numel() * 4 / min(timer.once(copy) for _ in range(5))
+
+
+def _matmul_rate(device: torch.device, dtype: torch.dtype, timer: Timer) -> float:
+    m = 2048
+    a = torch.randn(m, m, device=device).to(dtype)
+    b = torch.randn(m, m, device=device).to(dtype)
+    c = torch.empty(m, m, device=device, dtype=dtype)
+    mm = timer.prepare([lambda: torch.matmul(a, b, out=c)])
+    timer.once(mm)
+    inner = 10 if device.type == "cuda" else 1
+    return 2 * m**3 / min(timer.once(mm, inner) for _ in range(5))
+
+
+def measure_machine(device: torch.device, dtype: torch.dtype, timer: Timer) -> Machine:
+    """Copy bandwidth (256 MiB buffers) and matmul rate (2048^2 GEMM in the compute dtype; the CPU
+    kernels compute in fp32 whatever the storage dtype)."""
+    mm_dtype = dtype if device.type == "cuda" else torch.float32
+    return Machine(copy_bw=_copy_bw(device, timer), matmul_flops=_matmul_rate(device, mm_dtype, timer),
+                   device=str(device))
+
+
+def kv_bytes(tokens: int, hkv: int, d: int, elem: int) -> int:
+    """Bytes of K and V for ``tokens`` tokens."""
+    return 2 * tokens * hkv * d * elem
+
+
+def method_bytes(n_p: int, n_s: int, b: int, hq: int, hkv: int, d: int, elem: int) -> dict[str, int]:
+    """Bytes each method must read: TPP reads the shared prefix once, the others once per row."""
+    qo = 2 * b * hq * d * elem
+    shared_once = kv_bytes(n_s + b * (n_p - n_s), hkv, d, elem)
+    per_row = kv_bytes(b * n_p, hkv, d, elem)
+    return {"tpp": shared_once + qo, "paged": per_row + qo, "dense": per_row + qo}
+
+
+def roofline_s(bytes_read: int, flops: float, machine: Machine) -> float:
+    """Lower bound on time: the slower of moving the bytes at the measured copy bandwidth (bytes
+    read + written per second by a large copy) and doing the flops at the measured matmul rate."""
+    return max(bytes_read / machine.copy_bw, flops / machine.matmul_flops)
