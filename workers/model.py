@@ -254,10 +254,10 @@ class CausalLM:
             q = self._rope(q.view(t, c.num_heads, c.head_dim), cos, sin)  # [T, Hq, D]
             k = self._rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)  # [T, Hkv, D]
             o = attn(i, q, k, v.reshape(t, c.num_kv_heads, c.head_dim).contiguous())  # [T, Hq, D]
-            h = h + F.linear(o.reshape(t, c.q_size), lw.w_o, lw.b_o)
+            h.add_(F.linear(o.reshape(t, c.q_size), lw.w_o, lw.b_o))  # h is our own buffer: add in place
             x = self._rms_norm(h, lw.ln2)
-            gate, up = F.linear(x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)  # [T, I] x2
-            h = h + F.linear(F.silu(gate) * up, lw.w_down, lw.b_down)
+            gate, up = F.linear(x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)  # views [T, I] x2
+            h.add_(F.linear(F.silu(gate, inplace=True).mul_(up), lw.w_down, lw.b_down))
         return self._rms_norm(h, self.norm)
 
     __call__ = forward
