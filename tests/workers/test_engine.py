@@ -1,0 +1,155 @@
+"""Engine exactness against Hugging Face greedy generate, prefix reuse, preemption, aborts, limits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from chunkserve.workers.engine import EngineConfig, EngineCore
+from chunkserve.workers.llm import LLM
+from chunkserve.workers.sampling import SamplingParams
+from transformers import LlamaConfig, LlamaForCausalLM
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, LlamaForCausalLM]:
+    """A random-weight Llama of a non-default shape: 8 heads, 2 KV heads, head dim 128."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger weights than the init, so that greedy picks are well separated
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    path = tmp_path_factory.mktemp("llama8x2") / "ckpt"
+    model.save_pretrained(path)
+    return str(path), model
+
+
+def hf_greedy(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts_with_shared_prefixes(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    sys_a = [rng.randrange(1, 512) for _ in range(150)]
+    sys_b = [rng.randrange(1, 512) for _ in range(70)]
+    out = []
+    for i in range(6):
+        base = sys_a if i % 2 == 0 else sys_b
+        out.append(base + [rng.randrange(1, 512) for _ in range(5 + 7 * i)])
+    out.append(sys_a[:64])  # exactly one chunk, a prefix of others
+    return out
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_greedy_matches_hf_generate_with_requests_joining_mid_run(hf_dir, share: bool) -> None:
+    path, hf = hf_dir
+    prompts = prompts_with_shared_prefixes()
+    expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    core = EngineCore(EngineConfig(model=path, chunk_size=16, share_prefix=share, num_kv_chunks=256,
+                                   max_num_batched_tokens=96,
+                                   attention_backend="torch" if share else "paged-torch"))
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while pending or core.has_work():
+        if pending:  # one new request every step: later ones join a running batch
+            i, p = pending.pop(0)
+            core.add_request(str(i), p, GREEDY)
+        for out in core.step():
+            got.setdefault(out.req.request_id, []).extend(out.token_ids)
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    if share:
+        assert core.stats()["prefix_cached_tokens"] > 0
+
+
+def test_prefix_reuse_skips_the_cached_system_prompt(hf_dir) -> None:
+    path, _ = hf_dir
+    llm = LLM(model=path, chunk_size=64, num_kv_chunks=128)
+    sys_prompt = [(7 * i) % 500 + 1 for i in range(1000)]
+    first = llm.generate([sys_prompt + [3, 4, 5]], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    before = llm.engine.runner.tokens_computed
+    second = llm.generate([sys_prompt + [9, 9, 9, 9]], GREEDY)[0]
+    ran = llm.engine.runner.tokens_computed - before
+    assert second.num_cached_tokens >= 960
+    assert ran == len(second.prompt_token_ids) - second.num_cached_tokens + GREEDY.max_tokens - 1
+
+
+def test_preemption_under_a_tiny_pool_gives_the_same_outputs(hf_dir) -> None:
+    path, _ = hf_dir
+    prompts = prompts_with_shared_prefixes(seed=3)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = LLM(model=path, chunk_size=16, num_kv_chunks=512).generate(prompts, params)
+    tight_llm = LLM(model=path, chunk_size=16, num_kv_chunks=22, max_num_batched_tokens=64)
+    tight = tight_llm.generate(prompts, params)
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    assert tight_llm.stats()["num_preemptions"] > 0
+
+
+def test_aborts_free_chunks_and_200_random_requests_leak_nothing(hf_dir) -> None:
+    path, _ = hf_dir
+    core = EngineCore(EngineConfig(model=path, chunk_size=16, num_kv_chunks=96, max_num_batched_tokens=128))
+    rng = random.Random(1)
+    live: list[str] = []
+    for i in range(200):
+        n = rng.randrange(1, 60)
+        prefix = [5] * rng.choice([0, 16, 40])
+        core.add_request(f"q{i}", prefix + [rng.randrange(1, 500) for _ in range(n)],
+                         SamplingParams(max_tokens=rng.randrange(1, 6), temperature=rng.choice([0.0, 0.8]),
+                                        seed=i))
+        live.append(f"q{i}")
+        if rng.random() < 0.5:
+            for out in core.step():
+                if out.finish_reason and out.req.request_id in live:
+                    live.remove(out.req.request_id)
+        if live and rng.random() < 0.3:
+            core.abort(live.pop(rng.randrange(len(live))))
+    for rid in live[::2]:
+        core.abort(rid)
+    while core.has_work():
+        core.step()
+    st = core.stats()
+    assert st["num_sequences"] == 0 and st["kv_chunks_used"] == 0
+    assert st["kv_chunks_free"] + st["kv_chunks_cached"] == st["kv_chunks_total"]
+    assert core.cache.pool.num_free == st["kv_chunks_free"]
+
+
+def test_too_long_prompt_fails_alone_and_others_finish(hf_dir) -> None:
+    path, _ = hf_dir
+    core = EngineCore(EngineConfig(model=path, chunk_size=16, num_kv_chunks=32, max_model_len=400))
+    core.add_request("ok", [1, 2, 3], GREEDY)
+    with pytest.raises(ValueError, match="context length"):
+        core.add_request("long", list(range(1, 450)), GREEDY)
+    with pytest.raises(ValueError, match="KV pool"):
+        EngineCore(EngineConfig(model=path, chunk_size=16, num_kv_chunks=4)).add_request("big", [1] * 100, GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        core.add_request("empty", [], GREEDY)
+    with pytest.raises(ValueError):
+        core.add_request("oov", [100_000], GREEDY)
+    finished = []
+    while core.has_work():
+        finished += [o.req.request_id for o in core.step() if o.finish_reason]
+    assert finished == ["ok"]
+
+
+def test_seeded_sampling_is_reproducible_and_stop_token_ids_stop(hf_dir) -> None:
+    path, _ = hf_dir
+    llm = LLM(model=path, chunk_size=16, num_kv_chunks=64)
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=42, ignore_eos=True)
+    a = llm.generate([[1, 2, 3, 4]], p)[0].token_ids
+    b = llm.generate([[1, 2, 3, 4]], p)[0].token_ids
+    assert a == b and len(a) == 12
+    stop_at = a[3]
+    first = a.index(stop_at)
+    c = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50,
+                                                     seed=42, stop_token_ids=(stop_at,)))[0]
+    assert c.token_ids == a[:first + 1] and c.finish_reason == "stop"
