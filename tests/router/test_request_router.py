@@ -114,15 +114,18 @@ def test_index_entry_overrides_rendezvous(app: Any, redis_server: RedisServer) -
     """Proves the router maps RunningReplica ids to the ids workers publish under."""
     idx = PrefixIndex(redis_server.url, namespace=NS)
     a, b = sorted(idx.live_workers())
-    # A cold chain whose rendezvous owner is `a` ...
-    chain = next(c for c in (_tenant_chain(100 + s) for s in range(64))
-                 if rendezvous_weight(c[0], a) > rendezvous_weight(c[0], b))
-    # ... is first stored on `b` (requests without a chain go to the least loaded replica, rotating).
-    for _ in range(10):
-        if _call(app, store=chain)["replica"] == b:
+    # Store a cold chain on whichever replica takes it (no chain -> least loaded), until the replica
+    # holding it is *not* the chain's rendezvous owner.
+    for s in range(100, 120):
+        chain = _tenant_chain(s)
+        holder = _call(app, store=chain)["replica"]
+        other = b if holder == a else a
+        if rendezvous_weight(chain[0], other) > rendezvous_weight(chain[0], holder):
             break
-    assert idx.longest_prefixes(chain, [b]) == {b: len(chain)}
-    assert _call(app, chunk_hashes=chain)["replica"] == b
+    else:
+        raise AssertionError("no chain whose rendezvous owner differs from its holder")
+    assert idx.longest_prefixes(chain, [holder, other]) == {holder: len(chain), other: 0}
+    assert _call(app, chunk_hashes=chain)["replica"] == holder  # not the rendezvous owner `other`
     idx.close()
 
 
@@ -133,6 +136,25 @@ def test_hot_tenant_spills_to_the_other_replica(app: Any) -> None:
     served = Counter(r.result(timeout_s=30)["replica"] for r in responses)
     assert len(served) == 2, f"hot tenant never spilled: {served}"
     assert max(served.values()) <= 0.8 * 16
+
+
+def test_requests_survive_redis_outage_and_index_refills(app: Any, redis_server: RedisServer) -> None:
+    chain = _tenant_chain(77)
+    first = _call(app, chunk_hashes=chain)["replica"]
+    redis_server.stop()
+    during = [_call(app, chunk_hashes=chain) for _ in range(4)]  # routed by rendezvous + hints
+    assert all(isinstance(r["replica"], str) for r in during), during
+    redis_server.start()  # comes back empty
+    idx = PrefixIndex(redis_server.url, namespace=NS)
+    t0 = time.monotonic()
+    while len(idx.live_workers()) < 2 and time.monotonic() - t0 < 3 * LEASE_TTL_S:
+        time.sleep(0.1)
+    # Heartbeats re-acquired the leases and re-published each replica's snapshot.
+    assert idx.longest_prefixes(chain, [first]) == {first: len(chain)}
+    time.sleep(1.2)  # the router's retry window (ReaderConfig.retry_after_s) passes
+    holders = {w for w, n in idx.longest_prefixes(chain, idx.live_workers()).items() if n == len(chain)}
+    assert first in holders and _call(app, chunk_hashes=chain)["replica"] in holders
+    idx.close()
 
 
 def test_killed_replica_entries_are_ignored_within_lease_ttl(app: Any, redis_server: RedisServer) -> None:
