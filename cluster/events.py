@@ -62,7 +62,10 @@ class WorkerPublisher:
     """Publishes one worker's cache events and holds its lease.
 
     ``snapshot`` (optional) returns every chunk hash the worker currently holds (depth < ``max_depth``);
-    it is used to re-publish after the lease was lost. Redis errors never propagate out of
+    it is used to re-publish after the lease was lost. With :meth:`start` it runs on the heartbeat
+    thread, so it must tolerate concurrent cache mutation (a ``RuntimeError`` from iterating a changing
+    dict is retried) or take the engine's lock. Publishes wait while a snapshot is being re-published,
+    so the index converges to the cache's state. Redis errors never propagate out of
     :meth:`publish` / :meth:`heartbeat`: they are logged once and trigger a resync on recovery.
     """
 
@@ -87,6 +90,7 @@ class WorkerPublisher:
         self._publish = client.register_script(PUBLISH_LUA)
         self._release = client.register_script(RELEASE_LUA)
         self._lock = threading.Lock()
+        self._io_lock = threading.Lock()
         self._needs_resync = True
         self._redis_ok = True
         self._stop = threading.Event()
@@ -108,15 +112,29 @@ class WorkerPublisher:
                 resync = fresh or self._needs_resync
                 self._needs_resync = False
             if resync:
-                self._publish_snapshot(ttl_ms)
+                with self._io_lock:  # no publish interleaves between the snapshot read and its write
+                    self._publish_snapshot(ttl_ms)
             self._note_ok()
             return resync
         except redis.RedisError as e:
             self._note_error("heartbeat", e)
+            with self._lock:
+                self._needs_resync = True  # whatever state Redis is in, rewrite it on recovery
             return False
 
+    def _read_snapshot(self) -> list[int]:
+        if self.snapshot is None:
+            return []
+        for attempt in range(3):  # the engine may mutate its cache while we iterate it
+            try:
+                return [encode_hash(h) for h in self.snapshot()]
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+        return []
+
     def _publish_snapshot(self, ttl_ms: int) -> None:
-        hashes = [encode_hash(h) for h in (self.snapshot() if self.snapshot is not None else ())]
+        hashes = self._read_snapshot()
         pipe = self.client.pipeline(transaction=True)  # one slot: MULTI is valid on Redis Cluster too
         pipe.delete(self._kv[1])
         for i in range(0, len(hashes), _SNAPSHOT_BATCH):
@@ -135,7 +153,8 @@ class WorkerPublisher:
         if len(args) == 1:
             return 0
         try:
-            n = int(self._publish(keys=self._kv, args=args))
+            with self._io_lock:
+                n = int(self._publish(keys=self._kv, args=args))
         except redis.RedisError as e:
             self._note_error("publish", e)
             with self._lock:
@@ -163,7 +182,12 @@ class WorkerPublisher:
 
     def _loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
-            self.heartbeat()
+            try:
+                self.heartbeat()
+            except Exception:  # e.g. a failing snapshot(): keep the lease thread alive, retry next tick
+                logger.exception("lease heartbeat of worker %s failed", self.worker_id)
+                with self._lock:
+                    self._needs_resync = True
 
     def stop(self, release: bool = True) -> None:
         """Stop heartbeating; with ``release`` drop the lease and entries at once (graceful shutdown)."""
