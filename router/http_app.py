@@ -6,6 +6,7 @@ closes the body iterator, which closes the engine generator and so frees the req
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -92,6 +93,11 @@ def create_app(ingress: Ingress) -> FastAPI:
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        ingress.metrics.error(499)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error on %s", request.url.path)
@@ -125,7 +131,7 @@ def create_app(ingress: Ingress) -> FastAPI:
         prep = await ingress.prepare(tenant, req, ingress.new_request_id("cmpl"))
         if req.stream:
             return await _start_stream(ingress, prep, _completion_events(ingress, prep))
-        text, _tokens, last = await ingress.collect(prep)
+        text, _tokens, last = await _collect_unless_disconnected(request, ingress, prep)
         usage = usage_body(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
         return JSONResponse(completion_response(prep.request.request_id, prep.model, prep.created, text,
                                                 last.finish_reason, usage))
@@ -137,12 +143,38 @@ def create_app(ingress: Ingress) -> FastAPI:
         prep = await ingress.prepare(tenant, req, ingress.new_request_id("chatcmpl"))
         if req.stream:
             return await _start_stream(ingress, prep, _chat_events(ingress, prep))
-        text, _tokens, last = await ingress.collect(prep)
+        text, _tokens, last = await _collect_unless_disconnected(request, ingress, prep)
         usage = usage_body(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
         return JSONResponse(chat_response(prep.request.request_id, prep.model, prep.created, text,
                                           last.finish_reason, usage))
 
     return app
+
+
+class ClientDisconnected(Exception):
+    """The client went away before a non-streaming response was ready."""
+
+
+async def _collect_unless_disconnected(request: Request, ingress: Ingress, prep: Prepared) -> Any:
+    """Runs a non-streaming request while watching the connection; a disconnect cancels the request,
+    which aborts it in the engine and frees its KV chunks."""
+    work = asyncio.ensure_future(ingress.collect(prep))
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(0.05)  # a server whose receive() never blocks must not spin the loop
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()  # closes the engine stream: the request is aborted
+            await asyncio.wait({work})
+    if work.cancelled():
+        raise ClientDisconnected()
+    return work.result()
 
 
 async def _start_stream(ingress: Ingress, prep: Prepared, events: AsyncIterator[bytes]) -> Response:

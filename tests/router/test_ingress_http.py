@@ -263,6 +263,21 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_frees_its_kv_chunks
     assert server.ingress.limiter.running("beta") == 0
 
 
+def test_client_that_gives_up_on_a_non_streaming_request_aborts_it(server):
+    assert _wait_idle(server)["kv_chunks_used"] == 0
+    aborted = server.ingress.metrics.request_success.labels(model_name=MODEL, tenant="alpha",
+                                                            finished_reason="abort")
+    before = aborted._value.get()
+    body = {"model": MODEL, "prompt": "An endless list of numbers: 1, 2, 3,", "max_tokens": 400,
+            "temperature": 1.0, "seed": 11}
+    with pytest.raises(httpx2.ReadTimeout):
+        httpx2.post(server.http_url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-alpha"},
+                    timeout=httpx2.Timeout(60, read=1.0))
+    st = _wait_idle(server, timeout=5)
+    assert st["num_sequences"] == 0 and st["kv_chunks_used"] == 0
+    assert aborted._value.get() == before + 1
+
+
 def test_metrics_endpoint_exposes_prefix_cache_and_latency_metrics(server):
     chat(server, "delta", "metrics please")
     chat(server, "delta", "metrics please")
