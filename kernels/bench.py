@@ -64,14 +64,21 @@ def run_group(configs: list[tuple[int, int]], args: argparse.Namespace, timer: T
     for ci, rows in enumerate(ids):
         ctx = cache.context(rows)  # type: ignore[attr-defined]
         q = torch.randn(b, h, d, generator=gen).to(dtype).to(device)
-        out = torch.empty_like(q)
         q_sorted = q.index_select(0, ctx.order.to(device))
+        outs = {}
         for name, fn in (("tpp", tpp_fn), ("paged", paged_fn)):
-            ws = Workspace()
+            ws, out = Workspace(), torch.empty_like(q)
+            outs[name] = out
             work[(ci, name)] = timer.prepare(
-                [lambda fn=fn, kp=kp, vp=vp, ctx=ctx, qs=q_sorted, o=out, ws=ws: fn(qs, kp, vp, ctx, scale, out=o, workspace=ws)
+                [lambda fn=fn, kp=kp, vp=vp, ctx=ctx, qs=q_sorted, o=out, ws=ws: fn(qs, kp, vp, ctx, scale, out=o,
+                                                                                     workspace=ws)
                  for kp, vp in sets])
-        info.append({"runs": ctx.num_runs, "contiguous_runs": sum(r[4] for r in ctx.runs_host)})
+        for fns in (work[(ci, "tpp")], work[(ci, "paged")]):
+            fns[0]()
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        diff = (outs["tpp"].float() - outs["paged"].float()).norm() / outs["paged"].float().norm()
+        info.append({"runs": ctx.num_runs, "contiguous_runs": sum(r[4] for r in ctx.runs_host),
+                     "tpp_vs_paged_rel_diff": float(diff)})
     samples: dict[tuple[int, str], list[float]] = {key: [] for key in work}
     for rep in range(args.warmup + args.repeats):
         for key, fns in work.items():
@@ -96,8 +103,8 @@ def time_dense(n_p: int, args: argparse.Namespace, timer: Timer, gen: torch.Gene
     q = torch.randn(b, h, 1, d, generator=gen).to(dtype).to(device)
     sets = []
     for _ in range(args.kv_sets):
-        k = torch.empty(b, h, n_p, d, dtype=dtype, device=device).normal_(generator=None)
-        sets.append((k, torch.empty_like(k).normal_()))
+        k = torch.empty(b, h, n_p, d, dtype=dtype, device=device).uniform_(-1.0, 1.0)
+        sets.append((k, torch.empty_like(k).uniform_(-1.0, 1.0)))
 
     def naive(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s = torch.matmul(q, k.transpose(-1, -2)) * scale

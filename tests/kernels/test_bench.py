@@ -1,0 +1,23 @@
+"""The kernel benchmark runs end to end on a tiny configuration and writes its table."""
+
+from __future__ import annotations
+
+import json
+
+from chunkserve.kernels.bench import main
+
+
+def test_quick_bench_writes_table_with_consistent_outputs(tmp_path, capsys):
+    rc = main(["--quick", "--batch", "2", "--heads", "2", "--head-dim", "64", "--repeats", "1", "--warmup", "0",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "kernel_cpu_torch_fp32_quick.json").read_text())
+    rows = {(r["n_p"], r["n_s"]): r for r in data["rows"]}
+    assert set(rows) == {(1024, 0), (1024, 512), (1024, 768), (1024, 1024), (4096, 0), (4096, 4096)}
+    for r in rows.values():
+        assert r["tpp_us"] > 0 and r["paged_us"] > 0 and r["tpp_vs_paged_rel_diff"] < 1e-5
+    full = rows[(4096, 4096)]
+    assert full["runs"] == 1 and full["contiguous_runs"] == 1  # the shared prompt is read as one view
+    assert full["paged_bytes"] > 1.9 * full["tpp_bytes"]
+    assert data["machine"]["copy_bw"] > 0 and data["machine"]["matmul_flops"] > 0
+    assert "TPP/paged" in capsys.readouterr().out
