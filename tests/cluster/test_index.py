@@ -167,3 +167,45 @@ def test_cache_event_validates_input() -> None:
         CacheEvent("inserted", 1)
     with pytest.raises(ValueError):
         CacheEvent("stored", -1)
+
+
+def test_resync_during_concurrent_publishes_converges_to_cache_state(redis_server: RedisServer,
+                                                                     namespace: str) -> None:
+    import random
+    import threading
+
+    pool = _chain(11, n_chunks=64, chunk=2)
+    held: dict[int, None] = {}
+    def slow_snapshot() -> list[int]:  # widen the window between reading the cache and writing Redis
+        copy = list(held)
+        time.sleep(0.01)
+        return copy
+
+    pub = WorkerPublisher(redis_server.url, "w", namespace=namespace, snapshot=slow_snapshot)
+    pub.heartbeat()
+    idx = PrefixIndex(redis_server.url, namespace=namespace)
+    stop = threading.Event()
+
+    def engine() -> None:  # mutate the cache, then publish the step's events (as a worker does)
+        rng = random.Random(0)
+        while not stop.is_set():
+            events = []
+            for _ in range(4):
+                h = rng.choice(pool)
+                if h in held:
+                    del held[h]
+                    events.append(CacheEvent("evicted", h))
+                else:
+                    held[h] = None
+                    events.append(CacheEvent("stored", h))
+            pub.publish(events)
+
+    t = threading.Thread(target=engine)
+    t.start()
+    for _ in range(15):  # force lease loss -> the next heartbeat re-publishes the snapshot
+        idx.client.delete(idx.keys.lease("w"))
+        pub.heartbeat()
+    stop.set()
+    t.join()
+    pub.heartbeat()
+    assert idx.worker_hashes("w") == set(held)
