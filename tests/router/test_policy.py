@@ -154,3 +154,15 @@ def test_policy_with_real_index_falls_back_and_recovers(namespace: str) -> None:
         up, down, back = asyncio.run(go())
         assert up == "prefix_hit:r2" and back == "prefix_hit:r2"
         assert down.startswith("redis_down:")
+
+
+def test_router_metrics_count_decisions_by_reason() -> None:
+    from chunkserve.router.metrics import RouterMetrics
+
+    m = RouterMetrics(enable_ray=False)
+    m.record("spill", 3)
+    m.record("prefix_hit", 8)
+    m.record("spill", 0)
+    assert m.counts["spill"] == 2 and m.counts["prefix_hit"] == 1 and m.counts["redis_down"] == 0
+    with pytest.raises(ValueError):
+        m.record("lucky", 0)
