@@ -70,11 +70,14 @@ def prefill_torch(
         k = k_flat.index_select(1, flat).unsqueeze(0).expand(g, hkv, length, d)
         v = v_flat.index_select(1, flat).unsqueeze(0).expand(g, hkv, length, d)
         qb = q[cu[b] : cu[b + 1]].float().view(n_b, hkv, g, d).permute(2, 1, 0, 3)  # [g, Hkv, n_b, D]
-        q_pos = torch.arange(n_b, device=q.device) + starts[b]
-        k_pos = torch.arange(length, device=q.device)
-        bias = torch.zeros(1, 1, n_b, length, dtype=torch.float32, device=q.device)
-        bias.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
-        o, _lse = partial_attention(qb, k, v, scale, bias)  # [g, Hkv, n_b, D]
+        if starts[b] == 0:  # nothing cached: plain causal attention
+            o, _lse = partial_attention(qb, k, v, scale, causal=True)
+        else:
+            q_pos = torch.arange(n_b, device=q.device) + starts[b]
+            k_pos = torch.arange(length, device=q.device)
+            bias = torch.zeros(1, 1, n_b, length, dtype=torch.float32, device=q.device)
+            bias.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+            o, _lse = partial_attention(qb, k, v, scale, bias)  # [g, Hkv, n_b, D]
         out[cu[b] : cu[b + 1]] = o.permute(2, 1, 0, 3).reshape(n_b, hq, d).to(q.dtype)
     return out
 

@@ -41,16 +41,23 @@ class Workspace:
 def partial_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None = None,
     ws: Workspace | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of fp32 queries over keys ``k``/``v`` (any float dtype), returning fp32 ``(o, lse)``.
 
     q: [B, H, M, D] fp32; k, v: [B, H, T, D] (may be strided views); bias: additive fp32 mask
-    broadcastable to [B, H, M, T] (``-inf`` drops a key) or None. -> o: [B, H, M, D], lse: [B, H, M].
+    broadcastable to [B, H, M, T] (``-inf`` drops a key) or None; causal: query m sees keys <= m
+    (M == T, no bias). -> o: [B, H, M, D], lse: [B, H, M].
     """
+    if causal and (k.dtype != torch.float32 or _FLASH_CPU is None or q.device.type != "cpu"):
+        m, t = q.shape[-2], k.shape[-2]
+        bias = torch.zeros(m, t, dtype=torch.float32, device=q.device).masked_fill_(
+            torch.ones(m, t, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+        causal = False
     if k.dtype != torch.float32:
         return _partial_upcast(q, k, v, scale, bias, ws or Workspace())
     if _FLASH_CPU is not None and q.device.type == "cpu":
-        o, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        o, lse = _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
         return o, lse
     s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [B, H, M, T]
     if bias is not None:

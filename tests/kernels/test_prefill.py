@@ -105,3 +105,20 @@ def test_prefill_rejects_bad_input(cache_tree):
         prefill_attention(q, *pools, ctx.block_table, ctx.block_tokens, [15], [0, 4])
     with pytest.raises(ValueError, match="dtype"):
         prefill_attention(q.double(), *pools, ctx.block_table, ctx.block_tokens, [15], [0, 5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_without_cached_prefix_is_plain_causal(cache_tree, check, dtype):
+    tree = cache_tree(6, 3, 64, 16, dtype, device=DEV)
+    a, b = tree.add([1, 2, 3, 4] * 9), tree.add([4, 3] * 5)
+    ctx = tree.cache.context([a, b])
+    inv = torch.argsort(ctx.order).to(ctx.block_table.device)
+    table, tokens = ctx.block_table.index_select(0, inv), ctx.block_tokens.index_select(0, inv)
+    cu = [0, 36, 46]
+    q = torch.randn(46, 9, 64, generator=tree.gen).to(dtype).to(DEV)
+    kvs = [tuple(x[0].transpose(0, 1) for x in tree.kv(tree.tokens[s])) for s in (a, b)]
+    ref = reference(q, kvs, [0, 0], cu, 0.125)
+    pools = tree.cache.k_pool[0], tree.cache.v_pool[0]
+    for backend in BACKENDS:
+        o = prefill_attention(q, *pools, table, tokens, [0, 0], cu, 0.125, backend=backend)
+        assert check.rel_err(o, ref) < check.tol[dtype], backend
