@@ -215,7 +215,7 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     device = torch.device(args.device)
-    timer = Timer(device)
+    timer = Timer(device, use_graphs=args.backend == "triton")  # the torch path syncs (host loops)
     machine = measure_machine(device, DTYPES[args.dtype], timer)
     configs = QUICK if args.quick else FULL
     rows: list[dict[str, float]] = []
