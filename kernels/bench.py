@@ -24,7 +24,7 @@ from chunkserve.kernels.torch_ops import Workspace
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FULL = [(n_p, n_s) for n_p in (1024, 2048, 4096) for n_s in (0, n_p // 2, 3 * n_p // 4, n_p)]
-QUICK = [(1024, 0), (1024, 512), (1024, 768), (1024, 1024), (4096, 0), (4096, 4096)]
+QUICK = [(1024, 0), (1024, 512), (1024, 768), (1024, 1024), (4096, 4096)]
 
 
 def build_group(configs: list[tuple[int, int]], b: int, hkv: int, d: int, c: int, dtype: torch.dtype,
