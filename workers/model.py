@@ -295,6 +295,7 @@ class DenseCausalAttention:
         if t != s:  # query i sits at position s - t + i and sees keys 0..s-t+i
             mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)  # [T, S]
         o = F.scaled_dot_product_attention(  # [Hq, T, D]
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+            q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(),
+            attn_mask=mask,
             is_causal=mask is None, scale=scale, enable_gqa=True)
         return o.transpose(0, 1).contiguous()
