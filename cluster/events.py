@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from chunkserve.cluster.index import (
     PUBLISH_LUA,
     RELEASE_LUA,
     IndexKeys,
+    PrefixIndex,
     check_worker_id,
     encode_hash,
     now_ms,
@@ -71,7 +73,8 @@ class WorkerPublisher:
 
     def __init__(self, client: redis.Redis | str, worker_id: str, namespace: str = DEFAULT_NAMESPACE,
                  lease_ttl_s: float = 5.0, max_depth: int = DEFAULT_MAX_DEPTH,
-                 snapshot: SnapshotFn | None = None, socket_timeout_s: float = 1.0) -> None:
+                 snapshot: SnapshotFn | None = None, socket_timeout_s: float = 1.0,
+                 sweep_every_s: float = 30.0) -> None:
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         if max_depth <= 0:
@@ -94,6 +97,9 @@ class WorkerPublisher:
         self._needs_resync = True
         self._redis_ok = True
         self._stop = threading.Event()
+        self._sweeper = PrefixIndex(client, namespace=namespace)
+        self.sweep_every_s = sweep_every_s
+        self._last_sweep = time.monotonic()
         self._thread: threading.Thread | None = None
 
     @property
@@ -114,6 +120,9 @@ class WorkerPublisher:
             if resync:
                 with self._io_lock:  # no publish interleaves between the snapshot read and its write
                     self._publish_snapshot(ttl_ms)
+            if self.sweep_every_s > 0 and time.monotonic() - self._last_sweep > self.sweep_every_s:
+                self._last_sweep = time.monotonic()
+                self._sweeper.sweep()  # purge workers that died without releasing (any live worker may)
             self._note_ok()
             return resync
         except redis.RedisError as e:
