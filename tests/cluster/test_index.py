@@ -92,6 +92,20 @@ def test_sweeper_purges_dead_workers_only(redis_server: RedisServer, namespace: 
     assert idx.worker_hashes("live") == set(_chain(6))
 
 
+def test_live_workers_sweep_dead_ones_in_their_heartbeat(redis_server: RedisServer, namespace: str) -> None:
+    dead = WorkerPublisher(redis_server.url, "dead", namespace=namespace, lease_ttl_s=0.2)
+    dead.heartbeat()
+    dead.publish([CacheEvent("stored", h) for h in _chain(12)])
+    live = WorkerPublisher(redis_server.url, "live", namespace=namespace, sweep_every_s=0.1)
+    live.heartbeat()
+    time.sleep(0.3)
+    idx = PrefixIndex(redis_server.url, namespace=namespace)
+    assert idx.client.exists(idx.keys.chunks("dead"))  # nobody looked it up yet: still there
+    live.heartbeat()
+    assert not idx.client.exists(idx.keys.chunks("dead"))
+    assert idx.client.zrange(idx.keys.registry, 0, -1) == [b"live"]
+
+
 def test_lost_lease_is_reacquired_with_snapshot(redis_server: RedisServer, namespace: str) -> None:
     chain = _chain(7)
     held = set(chain[:5])
