@@ -325,6 +325,16 @@ class PrefixKVCache(PrefixTree):
             vs.append(self.v_pool[layer, :, node.chunk, :m])
         return torch.cat(ks, 1).transpose(0, 1), torch.cat(vs, 1).transpose(0, 1)
 
+    def cached_hashes(self, max_depth: int) -> list[int]:
+        """Chain hashes of every indexed full chunk above ``max_depth`` (safe from another thread)."""
+        for _ in range(5):
+            try:
+                nodes = list(self._nodes.values())
+            except RuntimeError:  # the engine thread changed the dict mid-copy
+                continue
+            return [n.hash for n in nodes if n.hash is not None and n.indexed and n.depth < max_depth]
+        return []
+
     def drain_events(self) -> list[CacheEvent]:
         out, self.events = self.events, []
         return out

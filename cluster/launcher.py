@@ -1,0 +1,132 @@
+"""`chunkserve up`: a local cluster in one command.
+
+Starts (or joins, with ``--address``) Ray, starts a real Redis server on a free port unless
+``--redis-url`` is given, deploys the Serve app (ingress + prefix-routed workers) with HTTP and
+gRPC proxies, prints the endpoints, and shuts everything down cleanly on Ctrl-C or SIGTERM.
+The launcher is the one place that ties router/, workers/ and cluster/ together, so it imports
+the application lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger("chunkserve.up")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="chunkserve up", description=__doc__)
+    ap.add_argument("--workers", type=int, default=None, help="worker replicas (default 2)")
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--grpc-port", type=int, default=9000)
+    ap.add_argument("--host", default="127.0.0.1", help="bind address of the proxies")
+    ap.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    ap.add_argument("--address", default=None, help="join an existing Ray cluster (e.g. auto)")
+    ap.add_argument("--model", default=None, help="local HF dir or random:<preset>; default: embedded SmolLM2")
+    ap.add_argument("--tenants", default=None, help="tenants YAML (default: open mode, tenant 'public')")
+    ap.add_argument("--config", default=None, help="YAML of AppConfig fields (CLI flags win)")
+    ap.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray (default: all)")
+    ap.add_argument("--engine", default=None, help="JSON of EngineConfig fields, e.g. '{\"chunk_size\": 32}'")
+    ap.add_argument("--exit-after", type=float, default=None, help=argparse.SUPPRESS)  # tests
+    return ap.parse_args(argv)
+
+
+def app_config(args: argparse.Namespace, redis_url: str) -> Any:
+    from chunkserve.router.app import AppConfig
+
+    base: dict[str, Any] = {}
+    if args.config:
+        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        base = loaded.get("args", loaded) if isinstance(loaded, dict) else {}
+    if args.workers is not None:
+        base["workers"] = args.workers
+    if args.model is not None:
+        base["model"] = args.model
+    if args.tenants is not None:
+        base["tenants"] = args.tenants
+    if args.engine:
+        base["engine"] = {**base.get("engine", {}), **json.loads(args.engine)}
+    base["redis_url"] = redis_url
+    return AppConfig(**base)
+
+
+@contextmanager
+def redis_for(url: str | None) -> Iterator[str]:
+    if url:
+        yield url
+        return
+    from chunkserve.cluster.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server.url
+
+
+def serve_app(args: argparse.Namespace, redis_url: str) -> None:
+    import ray
+    from chunkserve.router.app import APP_NAME, GRPC_SERVICER, build_app
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    cfg = app_config(args, redis_url)
+    init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                            "runtime_env": {"env_vars": {"CHUNKSERVE_REDIS_URL": redis_url}}}
+    if args.address:
+        init["address"] = args.address
+    elif args.num_cpus:
+        init["num_cpus"] = args.num_cpus
+    ray.init(**init)
+    serve.start(http_options={"host": args.host, "port": args.http_port},
+                grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
+    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with redis_for(args.redis_url) as redis_url:
+        try:
+            t0 = time.perf_counter()
+            serve_app(args, redis_url)
+            mode = f"tenants from {args.tenants}" if args.tenants else "open mode (single tenant 'public')"
+            print(f"chunkserve is up in {time.perf_counter() - t0:.0f} s ({mode})\n"
+                  f"  HTTP (OpenAI API): http://{args.host}:{args.http_port}/v1\n"
+                  f"  gRPC (chunkserve.v1.ChunkServe): {args.host}:{args.grpc_port}\n"
+                  f"  metrics: http://{args.host}:{args.http_port}/metrics\n"
+                  f"  Redis prefix index: {redis_url}\n"
+                  f"Ctrl-C to stop.", flush=True)
+            deadline = None if args.exit_after is None else time.monotonic() + args.exit_after
+            while not stop.wait(0.5):
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+        finally:
+            shutdown()
+    print("chunkserve stopped.", flush=True)
+    return 0
+
+
+def shutdown() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        if ray.is_initialized():
+            serve.shutdown()
+    except Exception as e:  # shutting down must go on
+        logger.warning("serve shutdown: %s", e)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()

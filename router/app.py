@@ -1,0 +1,113 @@
+"""The Ray Serve application: an ingress deployment (HTTP + gRPC) in front of prefix-routed workers.
+
+    serve run deploy/local.yaml                      # import_path: chunkserve.router.app:app_builder
+    chunkserve up --workers 2                        # the same app, with Ray and Redis started for you
+
+`AppConfig` (Pydantic, extra="forbid") holds every option; `build_app(cfg)` returns the bound
+application; `app_builder(args)` is the `serve run` / `serve deploy` entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from chunkserve.router.ingress import HandleEngineClient, Ingress, IngressConfig
+from chunkserve.router.tenants import load_tenants
+from pydantic import BaseModel, ConfigDict, Field
+
+GRPC_SERVICER = "chunkserve.v1.generate_pb2_grpc.add_ChunkServeServicer_to_server"
+APP_NAME = "chunkserve"
+
+
+class AppConfig(BaseModel):
+    """Options of the served application (engine options go to every worker replica)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(None, description="None: the embedded SmolLM2; a local HF dir; random:<preset>")
+    model_name: str = "smollm2-135m-instruct"
+    workers: int = Field(2, ge=1)
+    autoscaling: dict[str, Any] | None = None  # Ray Serve autoscaling_config for the workers
+    worker_num_cpus: float = 0.0
+    worker_num_gpus: float = 0.0
+    ingress_replicas: int = Field(1, ge=1)
+    redis_url: str | None = None  # default: $CHUNKSERVE_REDIS_URL
+    lease_ttl_s: float = 5.0
+    tenants: str | None = None  # a tenants YAML; None: open mode with the single tenant "public"
+    engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig fields (chunk_size, dtype, ...)
+    router: dict[str, Any] = Field(default_factory=dict)  # PrefixAwareRouter kwargs (policy, reader, ...)
+    max_ongoing_requests: int = 64
+
+    def resolved_redis_url(self) -> str | None:
+        return self.redis_url or os.environ.get("CHUNKSERVE_REDIS_URL") or None
+
+
+def _model_info(model: str | None) -> tuple[Any, int, int]:
+    """(tokenizer, max_model_len, vocab_size) without loading the weights."""
+    from chunkserve.workers.config import ModelConfig, preset_config
+    from chunkserve.workers.weights import embedded_checkpoint_dir
+    from transformers import AutoConfig, AutoTokenizer
+
+    if model is None or model.lower() == "smollm2-135m-instruct" or model.startswith("random:"):
+        ckpt = embedded_checkpoint_dir()
+        tok = AutoTokenizer.from_pretrained(str(ckpt), local_files_only=True)
+        if model and model.startswith("random:"):
+            cfg = preset_config(model.removeprefix("random:"))
+            return tok, cfg.max_model_len, cfg.vocab_size
+        mc = ModelConfig.from_hf(AutoConfig.from_pretrained(str(ckpt), local_files_only=True))
+        return tok, mc.max_model_len, mc.vocab_size
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model {model!r} is not a local checkpoint directory")
+    mc = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path), local_files_only=True))
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return tok, mc.max_model_len, mc.vocab_size
+
+
+class ServeIngress(Ingress):
+    """The ingress as a Serve replica: builds its tokenizer, tenants and worker client at start."""
+
+    def __init__(self, worker_handle: Any, cfg_json: str) -> None:
+        cfg = AppConfig.model_validate_json(cfg_json)
+        tokenizer, max_len, vocab = _model_info(cfg.model)
+        engine_max = cfg.engine.get("max_model_len")
+        chunk = int(cfg.engine.get("chunk_size", 64))
+        icfg = IngressConfig(model_name=cfg.model_name, max_model_len=min(max_len, engine_max or max_len),
+                             chunk_size=chunk, vocab_size=vocab)
+        super().__init__(HandleEngineClient(worker_handle), tokenizer, load_tenants(cfg.tenants), icfg)
+
+
+def build_app(cfg: AppConfig) -> Any:
+    """The bound Serve application for ``cfg``."""
+    from chunkserve.workers.deployment import build_worker_deployment
+    from ray import serve
+
+    redis_url = cfg.resolved_redis_url()
+    router_kwargs = {"redis_url": redis_url, **cfg.router}
+    actor_opts: dict[str, Any] = {"num_cpus": cfg.worker_num_cpus}
+    if cfg.worker_num_gpus:
+        actor_opts["num_gpus"] = cfg.worker_num_gpus
+    engine = dict(cfg.engine)
+    if cfg.model is not None:
+        engine.setdefault("model", cfg.model)
+    if cfg.worker_num_gpus:
+        engine.setdefault("device", "cuda")
+    worker_cls = build_worker_deployment(num_replicas=cfg.workers, ray_actor_options=actor_opts,
+                                         router_kwargs=router_kwargs, autoscaling_config=cfg.autoscaling,
+                                         max_ongoing_requests=cfg.max_ongoing_requests)
+    worker = worker_cls.bind(engine, redis_url, cfg.lease_ttl_s)
+    ingress_cls = serve.deployment(name="Ingress", num_replicas=cfg.ingress_replicas, max_ongoing_requests=2048,
+                                   ray_actor_options={"num_cpus": 0})(serve.ingress()(ServeIngress))
+    return ingress_cls.bind(worker, cfg.model_dump_json())
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """`serve run` / `serve deploy` entry point: ``args`` are `AppConfig` fields."""
+    args = dict(args or {})
+    for key in ("engine", "router", "autoscaling"):
+        if isinstance(args.get(key), str):
+            args[key] = json.loads(args[key])
+    return build_app(AppConfig(**args))

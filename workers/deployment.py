@@ -1,0 +1,124 @@
+"""The Ray Serve worker: one `AsyncEngine` per replica, publishing its prefix cache to the cluster index.
+
+`WorkerServer` is the Ray-agnostic replica body (tests can run it in-process); `build_worker_deployment`
+wraps it as a Serve deployment whose requests are routed by `PrefixAwareRouter`. Each replica
+publishes stored/evicted chunk hashes under its Ray replica id once per ~50 ms batch, and holds a
+lease in Redis through the publisher's heartbeat thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from chunkserve.workers.async_engine import AsyncEngine
+from chunkserve.workers.engine import EngineConfig
+from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+PUBLISH_INTERVAL_S = 0.05
+
+
+class WorkerServer:
+    """An engine plus its cache-event publisher; the body of a worker replica."""
+
+    def __init__(self, engine_config: dict[str, Any] | EngineConfig, worker_id: str,
+                 redis_url: str | None = None, lease_ttl_s: float = 5.0, max_depth: int | None = None) -> None:
+        cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
+        self.worker_id = worker_id
+        self.engine = AsyncEngine(cfg)
+        self.publisher = None
+        self._pub_task: asyncio.Task | None = None
+        if redis_url:
+            from chunkserve.cluster.events import DEFAULT_MAX_DEPTH, WorkerPublisher
+
+            depth = max_depth or DEFAULT_MAX_DEPTH
+            cache = self.engine.core.cache
+            self.publisher = WorkerPublisher(redis_url, worker_id, lease_ttl_s=lease_ttl_s, max_depth=depth,
+                                             snapshot=lambda: cache.cached_hashes(depth)).start()
+
+    def start_publishing(self) -> None:
+        """Start the event-publishing task on the running event loop (idempotent)."""
+        if self.publisher is not None and self._pub_task is None:
+            self._pub_task = asyncio.get_running_loop().create_task(self._publish_loop())
+
+    async def _publish_loop(self) -> None:
+        assert self.publisher is not None
+        while True:
+            events = self.engine.drain_cache_events()
+            if events:
+                await asyncio.to_thread(self.publisher.publish, events)
+            await asyncio.sleep(PUBLISH_INTERVAL_S)
+
+    async def generate(self, request: GenerateRequest, chunk_hashes: list[int] | None = None
+                       ) -> AsyncIterator[GenerateDelta]:
+        """Stream the request's deltas (``chunk_hashes`` is read by the router, not needed here)."""
+        self.start_publishing()
+        async with contextlib.aclosing(self.engine.generate(request)) as gen:
+            async for delta in gen:
+                yield delta
+
+    def routing_stats(self) -> dict[str, Any]:
+        st = self.engine.stats()
+        return {"num_running": st.get("num_requests_running", 0), "num_waiting": st.get("num_requests_waiting", 0),
+                "kv_cache_usage_perc": st.get("kv_cache_usage_perc", 0.0),
+                "kv_chunks_cached": st.get("kv_chunks_cached", 0), "worker_id": self.worker_id}
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), "worker_id": self.worker_id}
+
+    def shutdown(self) -> None:
+        if self._pub_task is not None:
+            self._pub_task.cancel()
+        if self.publisher is not None:
+            self.publisher.stop(release=True)
+        self.engine.shutdown()
+
+
+def build_worker_deployment(name: str = "Worker", num_replicas: int | str = 1,
+                            ray_actor_options: dict[str, Any] | None = None,
+                            router_kwargs: dict[str, Any] | None = None,
+                            autoscaling_config: dict[str, Any] | None = None,
+                            max_ongoing_requests: int = 64) -> Any:
+    """A Serve deployment class for the worker, routed by `PrefixAwareRouter`."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    router_cfg = RequestRouterConfig(request_router_class="chunkserve.router.request_router.PrefixAwareRouter",
+                                     request_router_kwargs=router_kwargs or {},
+                                     request_routing_stats_period_s=1.0)
+    opts: dict[str, Any] = {"name": name, "request_router_config": router_cfg,
+                            "max_ongoing_requests": max_ongoing_requests,
+                            "ray_actor_options": ray_actor_options or {"num_cpus": 0}}
+    if autoscaling_config:
+        opts["autoscaling_config"] = autoscaling_config
+    else:
+        opts["num_replicas"] = num_replicas
+
+    @serve.deployment(**opts)
+    class Worker:
+        def __init__(self, engine_config: dict[str, Any], redis_url: str | None = None,
+                     lease_ttl_s: float = 5.0) -> None:
+            worker_id = serve.get_replica_context().replica_id.unique_id
+            self.server = WorkerServer(engine_config, worker_id, redis_url, lease_ttl_s)
+
+        async def generate(self, request: GenerateRequest, chunk_hashes: list[int] | None = None
+                           ) -> AsyncIterator[GenerateDelta]:
+            async for delta in self.server.generate(request, chunk_hashes):
+                yield delta
+
+        def record_routing_stats(self) -> dict[str, Any]:
+            return self.server.routing_stats()
+
+        async def stats(self) -> dict[str, Any]:
+            return self.server.stats()
+
+        def __del__(self) -> None:
+            with contextlib.suppress(Exception):
+                self.server.shutdown()
+
+    return Worker
