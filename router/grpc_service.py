@@ -2,8 +2,9 @@
 
 Ray Serve's gRPC proxy calls ``Generate(request, grpc_context)`` / ``GenerateStream(request, grpc_context)``
 on the ingress deployment (``grpc_context`` is a ``RayServegRPCContext``). Errors set the status code and
-details on the context (and ``retry-after`` trailing metadata for RESOURCE_EXHAUSTED) and return an empty
-message. ``add_to_grpc_server`` serves the same methods from a plain ``grpc.aio`` server (tests, no Ray).
+details on the context (and ``retry-after`` trailing metadata for RESOURCE_EXHAUSTED); ``Generate`` then
+returns an empty message, ``GenerateStream`` raises ``GrpcStatusError`` (Ray's proxy applies a streaming
+call's status only from an exception). ``add_to_grpc_server`` serves the same methods from a plain ``grpc.aio`` server (tests, no Ray).
 """
 
 from __future__ import annotations
@@ -42,11 +43,31 @@ def grpc_status(http_status: int) -> grpc.StatusCode:
     return _GRPC_CODES.get(http_status, grpc.StatusCode.INTERNAL)
 
 
-def _set_error(context: Any, e: APIError) -> None:
-    context.set_code(grpc_status(e.status))
-    context.set_details(e.message)
+class GrpcStatusError(Exception):
+    """Raised by ``GenerateStream`` after setting the status on the context: Ray Serve's proxy sends a
+    streaming call's user-set status only when the method raises (``add_to_grpc_server`` aborts with it)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: list[tuple[str, str]]) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.trailing = trailing
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable: Ray ships it from the replica to the proxy
+        return (GrpcStatusError, (self.code, self.details, self.trailing))
+
+
+def _set_error(context: Any, e: APIError) -> GrpcStatusError:
+    code = grpc_status(e.status)
+    details = e.message
+    trailing = []
     if "Retry-After" in e.headers:
-        context.set_trailing_metadata([("retry-after", e.headers["Retry-After"])])
+        trailing = [("retry-after", e.headers["Retry-After"])]
+        details = f"{details}; retry after {e.headers['Retry-After']} s"
+        context.set_trailing_metadata(trailing)
+    context.set_code(code)
+    context.set_details(details)
+    return GrpcStatusError(code, details, trailing)
 
 
 def to_openai_request(ingress: Ingress, msg: pb.GenerateRequest, stream: bool
@@ -116,8 +137,7 @@ class GrpcServiceMixin:
             prep = await self._grpc_prepare(request, grpc_context, stream=True)
         except APIError as e:
             self.metrics.error(e.status)
-            _set_error(grpc_context, e)
-            return
+            raise _set_error(grpc_context, e) from None
         rid = request.request_id or prep.request.request_id
         last = None
         try:
@@ -131,11 +151,10 @@ class GrpcServiceMixin:
                             finish_reason=d.finish_reason or "", usage=_usage(d) if done else None)
         except APIError as e:
             self.metrics.error(e.status)
-            _set_error(grpc_context, e)
-            return
+            raise _set_error(grpc_context, e) from None
         if last is None or last.finish_reason in (None, "abort"):
             e = APIError(503, "the engine ended the request before it finished", "server_error")
-            _set_error(grpc_context, e)
+            raise _set_error(grpc_context, e)
 
 
 class _AioServicer(pb_grpc.ChunkServeServicer):
@@ -149,9 +168,12 @@ class _AioServicer(pb_grpc.ChunkServeServicer):
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: Any
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        async with aclosing(self._ingress.GenerateStream(request, context)) as gen:
-            async for item in gen:
-                yield item
+        try:
+            async with aclosing(self._ingress.GenerateStream(request, context)) as gen:
+                async for item in gen:
+                    yield item
+        except GrpcStatusError as e:
+            await context.abort(e.code, e.details, tuple(e.trailing))
 
 
 def add_to_grpc_server(ingress: Ingress, server: grpc.aio.Server) -> None:
