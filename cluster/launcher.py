@@ -48,7 +48,9 @@ def app_config(args: argparse.Namespace, redis_url: str) -> Any:
     base: dict[str, Any] = {}
     if args.config:
         loaded = yaml.safe_load(Path(args.config).read_text()) or {}
-        base = loaded.get("args", loaded) if isinstance(loaded, dict) else {}
+        if isinstance(loaded, dict) and loaded.get("applications"):  # a Serve config file
+            loaded = loaded["applications"][0]
+        base = dict(loaded.get("args", loaded)) if isinstance(loaded, dict) else {}
     if args.workers is not None:
         base["workers"] = args.workers
     if args.model is not None:
