@@ -7,18 +7,21 @@ Key schema (``ns`` is the namespace, default ``"chunkserve"``; see docs/cluster-
   decimal integer (so small sets use Redis' compact intset encoding).
 * ``{ns}:workers``           zset worker id -> last heartbeat (ms since epoch); only for discovery/sweeps.
 
-A worker's lease and chunk set share one hash tag, so they live in one Redis Cluster slot and every
-Lua script touches a single slot. Different workers hash to different slots, so the index shards
-across a cluster by worker. A lookup is one pipelined round trip: one ``EVALSHA`` per candidate
-worker, each returning the length of the longest prefix of the chain that the worker holds, or -1
-when its lease has lapsed (the script then deletes the stale set: lazy purge).
+A worker's lease and chunk set share one hash tag, so they live in one Redis Cluster slot. Different
+workers hash to different slots, so the index shards across a cluster by worker. A lookup is one round
+trip: on a standalone Redis one ``EVALSHA`` covering all candidate workers; with ``cluster_mode=True``
+a pipeline of one ``EVALSHA`` per worker, each touching a single slot. Either returns, per worker, the
+length of the longest prefix of the chain it holds, or -1 when its lease has lapsed (the script then
+deletes the stale set: lazy purge).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import redis.asyncio as aredis
@@ -39,6 +42,27 @@ for i = 1, #r do
   if r[i] == 0 then return i - 1 end
 end
 return #r
+"""
+
+# Standalone Redis only (the keys span slots): KEYS = lease_1, chunks_1, lease_2, chunks_2, ...
+# ARGV: hashes. -> one PREFIX_LEN_LUA result per worker, in one call.
+PREFIX_LEN_MULTI_LUA = """
+local out = {}
+for w = 1, #KEYS / 2 do
+  local lease, chunks = KEYS[2 * w - 1], KEYS[2 * w]
+  if redis.call('EXISTS', lease) == 0 then
+    redis.call('DEL', chunks)
+    out[w] = -1
+  else
+    local r = redis.call('SMISMEMBER', chunks, unpack(ARGV))
+    local m = #r
+    for i = 1, #r do
+      if r[i] == 0 then m = i - 1; break end
+    end
+    out[w] = m
+  end
+end
+return out
 """
 
 # KEYS: lease, chunks. ARGV: token, ttl_ms. -> 0 renewed, 1 (re)acquired (old set dropped: resync).
@@ -76,6 +100,10 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+
+
+_PREFIX_LEN_SHA = hashlib.sha1(PREFIX_LEN_LUA.encode()).hexdigest()
+_PREFIX_LEN_MULTI_SHA = hashlib.sha1(PREFIX_LEN_MULTI_LUA.encode()).hexdigest()
 
 
 def encode_hash(h: int) -> int:
@@ -126,15 +154,34 @@ def _lookup_args(chain: Sequence[int], max_chunks: int | None) -> list[int]:
     return [encode_hash(h) for h in chain[:n]]
 
 
+def _queue_lookup(pipe: Any, keys: IndexKeys, workers: list[str], args: list[int], cluster_mode: bool) -> None:
+    """Queue the lookup commands: one EVALSHA per worker (cluster-safe) or one for all (standalone)."""
+    if cluster_mode:  # plain EVALSHA: redis-py's Script in a pipeline adds a SCRIPT EXISTS round trip
+        for w in workers:
+            pipe.evalsha(_PREFIX_LEN_SHA, 2, keys.lease(w), keys.chunks(w), *args)
+    else:
+        kv = [k for w in workers for k in (keys.lease(w), keys.chunks(w))]
+        pipe.evalsha(_PREFIX_LEN_MULTI_SHA, len(kv), *kv, *args)
+
+
+def _lookup_result(workers: list[str], results: list[Any], cluster_mode: bool) -> dict[str, int]:
+    lens = results if cluster_mode else results[0]
+    return {w: int(n) for w, n in zip(workers, lens, strict=True) if int(n) >= 0}
+
+
 class PrefixIndex:
-    """Synchronous index reader/admin (redis-py); thread-safe like the client it wraps."""
+    """Synchronous index reader/admin (redis-py); thread-safe like the client it wraps.
+
+    ``cluster_mode``: look up with one script call per worker (each touches one slot, as Redis Cluster
+    requires). Off (standalone Redis): one script call for all workers, ~3x cheaper on the client.
+    """
 
     def __init__(self, client: redis.Redis | str, namespace: str = DEFAULT_NAMESPACE,
-                 max_chunks: int | None = None) -> None:
+                 max_chunks: int | None = None, cluster_mode: bool = False) -> None:
         self.client = redis.Redis.from_url(client) if isinstance(client, str) else client
         self.keys = IndexKeys(namespace)
         self.max_chunks = max_chunks
-        self._prefix_len = self.client.register_script(PREFIX_LEN_LUA)
+        self.cluster_mode = cluster_mode
 
     def live_workers(self) -> list[str]:
         """Registered workers whose lease is alive."""
@@ -159,8 +206,7 @@ class PrefixIndex:
             return dict.fromkeys(workers, 0) if worker_ids is None else self._alive_only(workers)
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
-            for w in workers:  # plain EVALSHA: redis-py's Script in a pipeline adds a SCRIPT EXISTS round trip
-                pipe.evalsha(self._prefix_len.sha, 2, self.keys.lease(w), self.keys.chunks(w), *args)
+            _queue_lookup(pipe, self.keys, workers, args, self.cluster_mode)
             try:
                 results = pipe.execute()
                 break
@@ -168,7 +214,8 @@ class PrefixIndex:
                 if attempt:
                     raise
                 self.client.script_load(PREFIX_LEN_LUA)
-        return {w: int(n) for w, n in zip(workers, results, strict=True) if int(n) >= 0}
+                self.client.script_load(PREFIX_LEN_MULTI_LUA)
+        return _lookup_result(workers, results, self.cluster_mode)
 
     def _alive_only(self, workers: list[str]) -> dict[str, int]:
         pipe = self.client.pipeline(transaction=False)
@@ -209,14 +256,14 @@ class AsyncPrefixIndex:
     """asyncio index reader (redis.asyncio) for the router; create it inside the router's event loop."""
 
     def __init__(self, client: aredis.Redis | str, namespace: str = DEFAULT_NAMESPACE,
-                 max_chunks: int | None = None, socket_timeout_s: float = 1.0) -> None:
+                 max_chunks: int | None = None, socket_timeout_s: float = 1.0, cluster_mode: bool = False) -> None:
         if isinstance(client, str):
             client = aredis.Redis.from_url(client, socket_timeout=socket_timeout_s,
                                            socket_connect_timeout=socket_timeout_s)
         self.client = client
         self.keys = IndexKeys(namespace)
         self.max_chunks = max_chunks
-        self._prefix_len = self.client.register_script(PREFIX_LEN_LUA)
+        self.cluster_mode = cluster_mode
 
     async def longest_prefixes(self, chain: Sequence[int], worker_ids: Iterable[str]) -> dict[str, int]:
         """Per live worker among ``worker_ids``, the longest prefix of ``chain`` it holds (one round trip)."""
@@ -231,8 +278,7 @@ class AsyncPrefixIndex:
             return {w: 0 for w, alive in zip(workers, await pipe.execute(), strict=True) if alive}
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
-            for w in workers:  # plain EVALSHA: one round trip (see PrefixIndex.longest_prefixes)
-                pipe.evalsha(self._prefix_len.sha, 2, self.keys.lease(w), self.keys.chunks(w), *args)
+            _queue_lookup(pipe, self.keys, workers, args, self.cluster_mode)
             try:
                 results = await pipe.execute()
                 break
@@ -240,7 +286,8 @@ class AsyncPrefixIndex:
                 if attempt:
                     raise
                 await self.client.script_load(PREFIX_LEN_LUA)
-        return {w: int(n) for w, n in zip(workers, results, strict=True) if int(n) >= 0}
+                await self.client.script_load(PREFIX_LEN_MULTI_LUA)
+        return _lookup_result(workers, results, self.cluster_mode)
 
     async def ping(self) -> bool:
         return bool(await self.client.ping())

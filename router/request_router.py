@@ -53,13 +53,14 @@ class PrefixAwareRouter(RequestRouter):
 
     ``request_router_kwargs`` (all optional): ``redis_url`` (else env ``CHUNKSERVE_REDIS_URL``; none: no
     index), ``namespace``, ``max_chunks`` (K, chunks looked up per request), ``policy`` (dict of
-    :class:`PolicyConfig` fields), ``reader`` (dict of :class:`ReaderConfig` fields), ``enable_metrics``.
+    :class:`PolicyConfig` fields), ``reader`` (dict of :class:`ReaderConfig` fields), ``enable_metrics``,
+    ``cluster_mode`` (True for Redis Cluster: one script call per worker instead of one for all).
     """
 
     def initialize_state(self, redis_url: str | None = None, namespace: str = DEFAULT_NAMESPACE,
                          max_chunks: int = DEFAULT_MAX_DEPTH, policy: dict[str, Any] | None = None,
                          reader: dict[str, Any] | None = None, enable_metrics: bool = True,
-                         **kwargs: Any) -> None:
+                         cluster_mode: bool = False, **kwargs: Any) -> None:
         if kwargs:
             raise TypeError(f"PrefixAwareRouter got unknown request_router_kwargs: {sorted(kwargs)}")
         if max_chunks < 1:
@@ -67,7 +68,8 @@ class PrefixAwareRouter(RequestRouter):
         url = redis_url or os.environ.get(REDIS_URL_ENV) or None
         self._max_chunks = max_chunks
         self._policy = PrefixPolicy(PolicyConfig(**(policy or {})))
-        factory = (lambda: AsyncPrefixIndex(url, namespace=namespace, max_chunks=max_chunks)) if url else None
+        factory = (lambda: AsyncPrefixIndex(url, namespace=namespace, max_chunks=max_chunks,
+                                            cluster_mode=cluster_mode)) if url else None
         self._reader = CachedIndexReader(factory, ReaderConfig(**(reader or {})))
         self._metrics = RouterMetrics(enable_ray=enable_metrics)
         # internal request id -> (worker id it is counted on, decision time); counted from the decision

@@ -132,17 +132,20 @@ def test_background_heartbeat_keeps_lease_and_release_drops_entries(redis_server
     assert idx.live_workers() == []
 
 
+@pytest.mark.parametrize("cluster_mode", [False, True])
 def test_lookup_is_one_round_trip_for_all_workers(redis_server: RedisServer, namespace: str,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                  monkeypatch: pytest.MonkeyPatch, cluster_mode: bool) -> None:
     chain = _chain(9)
     for i in range(8):
         p = WorkerPublisher(redis_server.url, f"w{i}", namespace=namespace)
         p.heartbeat()
         p.publish([CacheEvent("stored", h) for h in chain[:i]])
+    p.stop(release=True)  # w7's lease is gone: it must be left out
     client = redis.Redis.from_url(redis_server.url)
-    idx = PrefixIndex(client, namespace=namespace)
+    idx = PrefixIndex(client, namespace=namespace, cluster_mode=cluster_mode)
     workers = [f"w{i}" for i in range(8)]
-    assert idx.longest_prefixes(chain, workers) == {f"w{i}": i for i in range(8)}  # loads the script
+    expected = {f"w{i}": i for i in range(7)}
+    assert idx.longest_prefixes(chain, workers) == expected  # loads the scripts on first use
     sends: list[int] = []
     orig = redis.connection.Connection.send_packed_command
 
@@ -153,10 +156,10 @@ def test_lookup_is_one_round_trip_for_all_workers(redis_server: RedisServer, nam
     monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counting)
     before = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
     sends.clear()
-    assert idx.longest_prefixes(chain, workers) == {f"w{i}": i for i in range(8)}
-    assert len(sends) == 1  # one write of the whole pipeline: one round trip
+    assert idx.longest_prefixes(chain, workers) == expected
+    assert len(sends) == 1  # one write of the whole request: one round trip
     after = client.info("commandstats")["cmdstat_evalsha"]["calls"]
-    assert after - before == 8  # one script call per worker
+    assert after - before == (8 if cluster_mode else 1)
 
 
 def test_publisher_survives_redis_restart_and_resyncs(namespace: str) -> None:

@@ -88,3 +88,21 @@ def test_reader_without_index_reports_down() -> None:
         assert (await reader.lookup(CHAIN, ["w"])).status == "down"
 
     asyncio.run(go())
+
+
+def test_async_index_modes_agree(redis_server: RedisServer, namespace: str) -> None:
+    for i, n in enumerate((0, 3, 8)):
+        pub = WorkerPublisher(redis_server.url, f"w{i}", namespace=namespace)
+        pub.heartbeat()
+        pub.publish([CacheEvent("stored", h) for h in CHAIN[:n]])
+
+    async def go() -> list[dict[str, int]]:
+        out = []
+        for cluster_mode in (False, True):
+            idx = AsyncPrefixIndex(redis_server.url, namespace=namespace, cluster_mode=cluster_mode)
+            out.append(await idx.longest_prefixes(CHAIN, ["w0", "w1", "w2", "gone"]))
+            await idx.aclose()
+        return out
+
+    single, per_worker = asyncio.run(go())
+    assert single == per_worker == {"w0": 0, "w1": 3, "w2": 8}
