@@ -74,25 +74,32 @@ def partial_attention(
 def _partial_upcast(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None, ws: Workspace
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up-cast K/V to fp32 in token tiles that stay in cache, merging the tiles' partials."""
+    """Up-cast K/V to fp32 in (head, token) tiles that stay in cache. Head tiles are independent;
+    token tiles (only when one head's keys exceed the budget) are merged by online softmax."""
     b, h, t, d = k.shape
-    tile = max(16, UPCAST_TILE_BYTES // max(1, b * h * d * 4))
-    o_acc: torch.Tensor | None = None
-    lse_acc: torch.Tensor | None = None
-    for t0 in range(0, t, tile):
-        t1 = min(t, t0 + tile)
-        bias_t = None if bias is None else bias[..., t0:t1]
-        kf = ws.take("up_k", (b, h, t1 - t0, d), torch.float32, k.device)
-        vf = ws.take("up_v", (b, h, t1 - t0, d), torch.float32, k.device)
-        kf.copy_(k[:, :, t0:t1])
-        vf.copy_(v[:, :, t0:t1])
-        o, lse = partial_attention(q, kf, vf, scale, bias_t)
-        if o_acc is None or lse_acc is None:
-            o_acc, lse_acc = o, lse
-        else:
-            merge_into(o_acc, lse_acc, o, lse)
-    assert o_acc is not None and lse_acc is not None
-    return o_acc, lse_acc
+    m = q.shape[2]
+    per_head = b * t * d * 4
+    hh = max(1, min(h, UPCAST_TILE_BYTES // max(1, per_head)))
+    tile = t if hh > 1 or per_head <= UPCAST_TILE_BYTES else max(16, UPCAST_TILE_BYTES // max(1, b * d * 4))
+    o_out = torch.empty(b, h, m, d, dtype=torch.float32, device=q.device)
+    lse_out = torch.empty(b, h, m, dtype=torch.float32, device=q.device)
+    for h0 in range(0, h, hh):
+        h1 = min(h, h0 + hh)
+        bias_h = bias if bias is None or bias.dim() < 3 or bias.shape[-3] == 1 else bias[..., h0:h1, :, :]
+        for t0 in range(0, t, tile):
+            t1 = min(t, t0 + tile)
+            kf = ws.take("up_k", (b, h1 - h0, t1 - t0, d), torch.float32, k.device)
+            vf = ws.take("up_v", (b, h1 - h0, t1 - t0, d), torch.float32, k.device)
+            kf.copy_(k[:, h0:h1, t0:t1])
+            vf.copy_(v[:, h0:h1, t0:t1])
+            o, lse = partial_attention(q[:, h0:h1], kf, vf, scale, None if bias_h is None else bias_h[..., t0:t1])
+            if t0 == 0:
+                o_out[:, h0:h1].copy_(o)
+                lse_out[:, h0:h1].copy_(lse)
+            else:
+                o_acc, lse_acc = o_out[:, h0:h1], lse_out[:, h0:h1]
+                merge_into(o_acc, lse_acc, o, lse)
+    return o_out, lse_out
 
 
 def merge_into(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
