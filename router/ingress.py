@@ -81,6 +81,11 @@ class HandleEngineClient:
                 if delta.finish_reason is not None:
                     finished = True
                 yield delta
+        except Exception as e:
+            cause = getattr(e, "cause", None)  # a RayTaskError carries the worker's own exception
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
         finally:
             if not finished:
                 gen.cancel()

@@ -158,7 +158,6 @@ async def _load(url: str) -> tuple[list[tuple[str, int, int, int]], list[list[in
         return await results, await garbage
 
 
-@pytest.mark.slow
 def test_200_concurrent_requests_from_8_tenants_are_all_served_while_others_send_garbage(server):
     t0 = time.monotonic()
     results, garbage = asyncio.run(_load(server.http_url))

@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 MODEL = "tiny-ray"
-ECFG = EngineConfig(model="random:tiny", chunk_size=16, num_kv_chunks=256, max_model_len=256)
+ECFG = EngineConfig(model="random:tiny", chunk_size=16, num_kv_chunks=12, max_model_len=256)  # pool: 192 tokens
 TENANTS = {"tenants": [{"id": "acme", "api_key_sha256": [hash_api_key("sk-acme")]},
                        {"id": "slow", "api_key_sha256": [hash_api_key("sk-slow")],
                         "rate_limit": {"requests_per_second": 0.05, "burst_requests": 1}}]}
@@ -128,9 +128,22 @@ def test_http_and_grpc_reach_one_ingress_deployment_under_ray_serve(cluster):
 
 
 @pytest.mark.slow
+def test_a_prompt_the_worker_pool_cannot_hold_is_413_through_ray(cluster):
+    http_url, grpc_target = cluster
+    c = openai.OpenAI(base_url=http_url + "/v1", api_key="sk-acme", max_retries=0, timeout=60)
+    prompt = list(range(100, 320))  # 220 tokens: within the 256-token context, beyond the 192-token pool
+    with pytest.raises(openai.APIStatusError) as ei:
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    assert ei.value.status_code == 413 and "KV pool" in ei.value.message and "Traceback" not in ei.value.message
+    with GrpcClient(grpc_target, api_key="sk-acme") as g, pytest.raises(ChunkServeError) as ge:
+        list(g.generate_stream(prompt_token_ids=prompt, max_tokens=4))
+    assert ge.value.status == "INVALID_ARGUMENT" and "KV pool" in ge.value.message
+
+
+@pytest.mark.slow
 def test_http_disconnect_under_ray_serve_aborts_the_worker_request(cluster):
     http_url, _ = cluster
-    max_tokens = 200
+    max_tokens = 150
     body = {"model": MODEL, "prompt": "Write a very long poem. " * 3, "max_tokens": max_tokens, "stream": True,
             "temperature": 1.0, "seed": 2}
     before = _worker_stats()["tokens_computed"]
