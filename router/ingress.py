@@ -5,9 +5,20 @@ authenticate -> rate-limit -> tokenize (+ chat template) -> hash chain with the 
 builds the FastAPI app on it, and its ``Generate`` / ``GenerateStream`` methods are the gRPC service
 (``grpc_context`` is Ray Serve's ``RayServegRPCContext`` or a ``grpc.aio.ServicerContext``).
 
-A Ray Serve deployment wraps it with ``@serve.deployment`` + ``@serve.ingress()`` on a subclass with an
-``async def __init__`` that builds the engine client from a DeploymentHandle (``HandleEngineClient``);
-``__serve_build_asgi_app__`` supplies the FastAPI app.
+Under Ray Serve one deployment serves both proxies (see router/app.py)::
+
+    @serve.deployment
+    @serve.ingress()                      # the app comes from __serve_build_asgi_app__
+    class Front(Ingress):
+        def __init__(self, worker_handle):
+            super().__init__(HandleEngineClient(worker_handle), tokenizer, load_tenants(path),
+                             IngressConfig(model_name, max_model_len, chunk_size))
+
+    serve.start(grpc_options=gRPCOptions(grpc_servicer_functions=[
+        "chunkserve.v1.generate_pb2_grpc.add_ChunkServeServicer_to_server"]))
+
+Without Ray, ``chunkserve.router.local_server.LocalServer`` serves it with uvicorn + ``grpc.aio``.
+Never give the subclass an attribute named ``app`` or a ``__call__`` (Ray's ASGI wrapper owns them).
 """
 
 from __future__ import annotations
