@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import httpx2
 import openai
 import pytest
+from chunkserve.cluster.hashing import hash_chain
 from chunkserve.router.local_server import LocalServer, local_ingress
 from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants
 from chunkserve.workers.engine import EngineConfig
@@ -127,6 +128,17 @@ def test_two_tenants_in_one_shared_group_share_a_prefix(server):
     assert cached >= (second.usage.prompt_tokens // CHUNK - 1) * CHUNK
     assert chat(server, "alpha", "how do I reset my password?", system=system
                 ).usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_the_hash_chain_for_the_router_matches_the_chunks_the_engine_stores(server):
+    engine = server.ingress.engine.engine  # LocalEngineClient -> AsyncEngine
+    engine.drain_cache_events()
+    prompt = "A prompt whose chunks the prefix index must find again. " * 6
+    client(server, "gamma").completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    chain = hash_chain(server.ingress.tokenizer.encode(prompt), CHUNK, b"team")  # gamma: shared:team
+    stored = {e.chunk_hash for e in engine.drain_cache_events() if e.kind == "stored"}
+    assert len(chain) >= 4 and set(chain) <= stored
+    assert not set(hash_chain(server.ingress.tokenizer.encode(prompt), CHUNK, b"gamma")) & stored
 
 
 def _post(server: LocalServer, path: str, body: bytes | dict, key: str | None = "key-alpha"):
