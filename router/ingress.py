@@ -272,7 +272,8 @@ class Ingress(GrpcServiceMixin):
     # ---- running ---------------------------------------------------------------------------------------
     async def stream(self, prep: Prepared) -> AsyncIterator[GenerateDelta]:
         """The engine's deltas for a prepared request. Closing this iterator early aborts the request;
-        the lease is released and the metrics recorded whatever happens. Engine errors become APIError."""
+        the lease is released and the metrics recorded whatever happens (finished_reason "stop",
+        "length", "abort" or "error"). Engine errors become APIError."""
         tenant = prep.tenant.id
         n_prompt = len(prep.request.prompt_token_ids)
         self.metrics.request_waiting(tenant)
@@ -292,6 +293,9 @@ class Ingress(GrpcServiceMixin):
                     yield d
                     if d.finish_reason is not None:
                         break
+        except Exception:
+            reason = "error"  # the engine rejected or failed it (client disconnects stay "abort")
+            raise
         finally:
             prep.lease.release(n_prompt + out)
             now = time.monotonic()
