@@ -127,7 +127,7 @@ def create_app(ingress: Ingress) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         tenant = ingress.authenticate(request.headers.get("authorization"))
-        req = parse_request(await request.body(), CompletionRequest, max_body)
+        req = parse_request(await _read_body(request, max_body), CompletionRequest, max_body)
         prep = await ingress.prepare(tenant, req, ingress.new_request_id("cmpl"))
         if req.stream:
             return await _start_stream(ingress, prep, _completion_events(ingress, prep))
@@ -139,7 +139,7 @@ def create_app(ingress: Ingress) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         tenant = ingress.authenticate(request.headers.get("authorization"))
-        req = parse_request(await request.body(), ChatCompletionRequest, max_body)
+        req = parse_request(await _read_body(request, max_body), ChatCompletionRequest, max_body)
         prep = await ingress.prepare(tenant, req, ingress.new_request_id("chatcmpl"))
         if req.stream:
             return await _start_stream(ingress, prep, _chat_events(ingress, prep))
@@ -149,6 +149,21 @@ def create_app(ingress: Ingress) -> FastAPI:
                                           last.finish_reason, usage))
 
     return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes (by its
+    Content-Length or while reading), so an oversized upload is never buffered whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}",
+                       code="request_too_large")
+    buf = bytearray()
+    async for part in request.stream():
+        buf += part
+        if len(buf) > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    return bytes(buf)
 
 
 class ClientDisconnected(Exception):

@@ -39,7 +39,8 @@ def _tenants() -> TenantRegistry:
 def server() -> Iterator[LocalServer]:
     cfg = EngineConfig(model="random:tiny", chunk_size=CHUNK, num_kv_chunks=512, max_model_len=CTX,
                        max_num_seqs=32)
-    with LocalServer(lambda: local_ingress(cfg, _tenants(), model_name=MODEL, default_max_tokens=8),
+    with LocalServer(lambda: local_ingress(cfg, _tenants(), model_name=MODEL, default_max_tokens=8,
+                                   max_body_bytes=256 << 10),
                      grpc_port=None) as srv:
         yield srv
 
@@ -186,6 +187,22 @@ def test_bad_inputs_get_the_right_status_and_openai_error_json(server, path, bod
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
+
+
+def test_oversized_body_is_413_without_reading_it_whole(server):
+    big = b'{"model": "%s", "prompt": "' % MODEL.encode() + b"x" * (1 << 20) + b'"}'
+    r = _post(server, "/v1/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():
+        yield b'{"model": "%s", "prompt": "' % MODEL.encode()
+        for _ in range(8):
+            yield b"y" * (64 << 10)
+        yield b'"}'
+
+    r = httpx2.post(server.http_url + "/v1/completions", content=chunks(), timeout=60,
+                    headers={"Authorization": "Bearer key-alpha", "Content-Type": "application/json"})
+    assert r.status_code == 413  # chunked upload without Content-Length
 
 
 def test_missing_or_unknown_api_key_is_401(server):
