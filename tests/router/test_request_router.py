@@ -7,8 +7,9 @@ in a set, publishes them to the index under its Ray replica id, and returns that
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,22 +29,33 @@ pytestmark = pytest.mark.slow
 NS = "raytest"
 CHUNK = 64
 LEASE_TTL_S = 2.0
+CAPACITY = 20  # chunks per replica: two 8-chunk tenant prompts fit, four do not
 
 
 @serve.deployment(num_replicas=2, max_ongoing_requests=32, ray_actor_options={"num_cpus": 0})
 class PrefixEcho:
-    def __init__(self, redis_url: str) -> None:
+    """A stand-in worker whose cache is an LRU of ``capacity`` chunk hashes."""
+
+    def __init__(self, redis_url: str, namespace: str = NS, capacity: int = CAPACITY) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.held: set[int] = set()
-        self.pub = WorkerPublisher(redis_url, self.replica_id, namespace=NS, lease_ttl_s=LEASE_TTL_S,
+        self.capacity = capacity
+        self.held: OrderedDict[int, None] = OrderedDict()
+        self.pub = WorkerPublisher(redis_url, self.replica_id, namespace=namespace, lease_ttl_s=LEASE_TTL_S,
                                    snapshot=lambda: list(self.held)).start()
 
     async def __call__(self, chunk_hashes: list[int] | None = None, store: list[int] | None = None,
                        delay_s: float = 0.0) -> dict[str, Any]:
         chain = list(chunk_hashes or store or [])
         hit = next((i for i, h in enumerate(chain) if h not in self.held), len(chain))
-        events = [CacheEvent("stored", h, depth=i) for i, h in enumerate(chain) if h not in self.held]
-        self.held.update(chain)
+        events = []
+        for i, h in enumerate(chain):
+            if h in self.held:
+                self.held.move_to_end(h)
+            else:
+                self.held[h] = None
+                events.append(CacheEvent("stored", h, depth=i))
+        while len(self.held) > self.capacity:
+            events.append(CacheEvent("evicted", self.held.popitem(last=False)[0]))
         await asyncio.to_thread(self.pub.publish, events)  # one round trip per "engine step"
         if delay_s:
             await asyncio.sleep(delay_s)
@@ -90,24 +102,47 @@ def test_extract_chain_reads_kwarg_attribute_and_dict() -> None:
     assert extract_chain(Req(["text"], {"chunk_hashes": ["x"]}), 8) == []  # type: ignore[arg-type]
 
 
-def test_same_chain_lands_on_the_replica_holding_it(app: Any, redis_server: RedisServer) -> None:
-    tenants = [_tenant_chain(t) for t in range(4)]
+def _run_tenants(handle: Any, tenants: list[list[int]], n: int) -> tuple[dict[int, list[str]], float]:
+    """Send ``n`` requests over the tenants in a fixed random order; -> placements, hit rate / oracle's."""
+    order = list(range(len(tenants))) + random.Random(5).choices(range(len(tenants)), k=n - len(tenants))
     placed: dict[int, list[str]] = defaultdict(list)
     hits = oracle = 0
-    for i in range(40):
-        t = i % 4
-        out = _call(app, chunk_hashes=tenants[t])
+    for i, t in enumerate(order):
+        out = _call(handle, chunk_hashes=tenants[t])
         placed[t].append(out["replica"])
         hits += out["hit"]
-        oracle += len(tenants[t]) if i >= 4 else 0
+        oracle += len(tenants[t]) if i >= len(tenants) else 0  # an infinite shared cache misses once
+    return placed, hits / oracle
+
+
+def test_same_chain_lands_on_the_replica_holding_it_and_beats_p2c(app: Any, redis_server: RedisServer) -> None:
+    idx = PrefixIndex(redis_server.url, namespace=NS)
+    replicas = sorted(idx.live_workers())
+    assert len(replicas) == 2
+    # 4 tenants whose rendezvous owners split 2/2, so each replica's cache holds its tenants' prompts.
+    owners: dict[str, list[list[int]]] = defaultdict(list)
+    for s in range(200, 260):
+        c = _tenant_chain(s)
+        owner = max(replicas, key=lambda r, c=c: rendezvous_weight(c[0], r))
+        if len(owners[owner]) < 2:
+            owners[owner].append(c)
+    tenants = [c for r in replicas for c in owners[r]]
+    assert len(tenants) == 4
+    placed, rate = _run_tenants(app, tenants, 40)
     for t, reps in placed.items():
         assert all(r == reps[0] for r in reps[1:]), f"tenant {t} moved between replicas: {Counter(reps)}"
-    assert hits >= 0.9 * oracle
+    assert rate >= 0.9
     # Replicas publish under serve.get_replica_context().replica_id.unique_id, and the index knows them.
-    idx = PrefixIndex(redis_server.url, namespace=NS)
-    replicas = set(idx.live_workers())
-    assert {r for reps in placed.values() for r in reps} <= replicas and len(replicas) == 2
+    assert {r for reps in placed.values() for r in reps} <= set(replicas)
     idx.close()
+    # The same workload through Serve's default power-of-two-choices router.
+    p2c = serve.run(PrefixEcho.bind(redis_server.url, "p2c-baseline"), name="p2c-echo", route_prefix=None)
+    try:
+        _, p2c_rate = _run_tenants(p2c, tenants, 40)
+    finally:
+        serve.delete("p2c-echo")
+    print(f"hit rate vs oracle: prefix-aware {rate:.2f}, p2c {p2c_rate:.2f}")
+    assert p2c_rate < 0.75 * rate, (p2c_rate, rate)
 
 
 def test_index_entry_overrides_rendezvous(app: Any, redis_server: RedisServer) -> None:
