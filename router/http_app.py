@@ -215,24 +215,27 @@ async def _start_stream(ingress: Ingress, prep: Prepared, events: AsyncIterator[
 
 
 async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[bytes]:
+    """The SSE events of one request. An error before the first event is raised (a proper status code);
+    after it, the stream carries an error event and ends with [DONE]."""
     rid, model, created = prep.request.request_id, prep.model, prep.created
     last = None
-    first = True
+    sent = False
     try:
         async with aclosing(ingress.stream(prep)) as stream:
             async for d in stream:
+                if kind == "chat" and last is None:
+                    sent = True
+                    yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
                 last = d
-                if kind == "chat":
-                    if first:
-                        yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-                    if d.text or d.finish_reason is not None:
+                if d.text or d.finish_reason is not None:
+                    sent = True
+                    if kind == "chat":
                         delta = {"content": d.text} if d.text else {}
                         yield sse(chat_chunk(rid, model, created, delta, d.finish_reason))
-                elif d.text or d.finish_reason is not None:
-                    yield sse(completion_chunk(rid, model, created, d.text, d.finish_reason))
-                first = False
+                    else:
+                        yield sse(completion_chunk(rid, model, created, d.text, d.finish_reason))
     except APIError as e:
-        if first:
+        if not sent:
             raise
         yield sse(e.body())
         yield sse("[DONE]")
@@ -240,7 +243,7 @@ async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[
     if last is None or last.finish_reason in (None, "abort"):
         err = APIError(503, "the engine ended the request before it finished", "server_error",
                        code="engine_aborted")
-        if first:
+        if not sent:
             raise err
         yield sse(err.body())
     elif prep.include_usage:
