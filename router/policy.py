@@ -11,7 +11,8 @@ per-replica longest cached prefix from the index (``None`` when the index could 
    records that the prefix now lives there too, so later requests of a hot prefix spread over both.
 4. ``cold_hash``: nobody holds it -> rendezvous (highest-random-weight) hashing on the first chunk hash,
    skipping overloaded replicas, so one system prompt keeps landing on one replica.
-5. ``redis_down``: the index did not answer -> rules 2-4 on local hints only (rendezvous when none).
+5. ``redis_down``: the index is unreachable -> rules 2-4 on local hints only (rendezvous when none).
+   (A lookup that is merely slower than the budget also uses hints only, under the usual reasons.)
 
 A replica is overloaded when it is at capacity, or when its load exceeds the least loaded replica's by
 at least ``spill_abs`` *and* is at least ``spill_rel`` times ``(least load + 1)``.

@@ -125,7 +125,10 @@ class PrefixAwareRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         matches: dict[str, int] | None = {}
         if chain:
-            matches = (await self._reader.lookup(chain, list(by_id))).matches
+            res = await self._reader.lookup(chain, list(by_id))
+            # A slow answer (over the reader's budget) routes on local hints alone, but is not an outage:
+            # only an unreachable index yields matches=None and the reason "redis_down".
+            matches = {} if res.status == "timeout" else res.matches
         decision = self._policy.decide([self._load(r) for r in candidate_replicas], chain, matches)
         req_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         prev = self._reserved.get(req_id) if req_id is not None else None
