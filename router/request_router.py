@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections import Counter
+from numbers import Integral
 from typing import Any
 
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
@@ -43,9 +44,9 @@ def extract_chain(pending_request: PendingRequest | None, max_chunks: int) -> li
     if chain is None and pending_request.args:
         first = pending_request.args[0]
         chain = first.get(CHAIN_KWARG) if isinstance(first, dict) else getattr(first, CHAIN_KWARG, None)
-    if not isinstance(chain, list | tuple) or not all(isinstance(h, int) and h >= 0 for h in chain):
+    if not isinstance(chain, list | tuple) or not all(isinstance(h, Integral) and h >= 0 for h in chain):
         return []
-    return list(chain[:max_chunks])
+    return [int(h) for h in chain[:max_chunks]]
 
 
 class PrefixAwareRouter(RequestRouter):
