@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import platform
 from pathlib import Path
@@ -86,6 +87,7 @@ def run_group(configs: list[tuple[int, int]], args: argparse.Namespace, timer: T
             if rep >= args.warmup:
                 samples[key].append(t)
     del work, sets, cache, k_pool, v_pool
+    gc.collect()  # the cache holds reference cycles; free its pool before the dense tensors
     dense = time_dense(max(n_p for n_p, _ in configs), args, timer, gen)
     res = []
     for ci, (n_p, n_s) in enumerate(configs):
