@@ -31,12 +31,14 @@ def test_http_client_chat_and_completion_with_and_without_streaming(server):
     c = HTTPClient(server.http_url, api_key="sk-acme")
     assert c.health() and c.models() == [MODEL] and c.model == MODEL
     msgs = [{"role": "user", "content": "Say something."}]
+    c.chat(msgs, max_tokens=5, temperature=0)  # warm-up: the compared calls see the same cached prefix
     full = c.chat(msgs, max_tokens=5, temperature=0)
     chunks = list(c.chat(msgs, stream=True, max_tokens=5, temperature=0))
     text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
     assert text == full["choices"][0]["message"]["content"]
     assert chunks[-1]["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
     assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    c.complete("Once upon", max_tokens=3, temperature=0)
     comp = c.complete("Once upon", max_tokens=3, temperature=0)
     streamed = list(c.complete("Once upon", stream=True, max_tokens=3, temperature=0))
     assert "".join(p["choices"][0]["text"] for p in streamed if p["choices"]) == comp["choices"][0]["text"]
@@ -61,6 +63,7 @@ def test_http_client_raises_errors_with_status_and_retry_after(server):
 def test_grpc_client_unary_and_streaming(server):
     with GrpcClient(server.grpc_target, api_key="sk-acme") as g:
         msgs = [{"role": "system", "content": "Be brief. " * 20}, {"role": "user", "content": "Hi"}]
+        g.generate(messages=msgs, max_tokens=4, temperature=0.0)  # warm-up
         r = g.generate(messages=msgs, max_tokens=4, temperature=0.0)
         pieces = list(g.generate_stream(messages=msgs, max_tokens=4, temperature=0.0))
         assert "".join(p.text for p in pieces) == r.text and pieces[-1].finish_reason == r.finish_reason
@@ -79,6 +82,7 @@ def test_async_grpc_client(server):
     async def run() -> tuple[str, str]:
         c = AsyncGrpcClient(server.grpc_target, api_key="sk-acme")
         try:
+            await c.generate(prompt="The sky is", max_tokens=3, temperature=0.0)  # warm-up
             r = await c.generate(prompt="The sky is", max_tokens=3, temperature=0.0)
             s = "".join([p.text async for p in c.generate_stream(prompt="The sky is", max_tokens=3,
                                                                    temperature=0.0)])

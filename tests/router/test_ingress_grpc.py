@@ -67,6 +67,7 @@ def test_unary_generate_returns_text_tokens_and_usage(stub):
 
 
 def test_stream_concatenates_to_the_unary_result_and_ends_with_usage(stub):
+    stub.Generate(req(model=MODEL, messages=chat_msgs("stream please")), metadata=md(), timeout=60)  # warm-up
     unary = stub.Generate(req(model=MODEL, messages=chat_msgs("stream please")), metadata=md(), timeout=60)
     pieces = list(stub.GenerateStream(req(model=MODEL, messages=chat_msgs("stream please")), metadata=md(),
                                       timeout=60))

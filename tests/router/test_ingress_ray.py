@@ -92,6 +92,7 @@ def test_http_and_grpc_reach_one_ingress_deployment_under_ray_serve(cluster):
     http_url, grpc_target = cluster
     c = openai.OpenAI(base_url=http_url + "/v1", api_key="sk-acme", max_retries=0, timeout=60)
     msgs = [{"role": "system", "content": "You answer in one word. " * 10}, {"role": "user", "content": "Hi"}]
+    c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)  # warm-up
     first = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
     chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
