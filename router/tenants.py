@@ -57,6 +57,12 @@ class RateLimitConfig(BaseModel):
     burst_requests: int | None = Field(default=None, ge=1)  # default: max(1, ceil(requests_per_second))
     tokens_per_minute: int | None = Field(default=None, ge=1)
 
+    @model_validator(mode="after")
+    def _burst_needs_rate(self) -> RateLimitConfig:
+        if self.burst_requests is not None and self.requests_per_second is None:
+            raise ValueError("burst_requests needs requests_per_second")
+        return self
+
 
 class TenantConfig(BaseModel):
     """One tenant as written in the tenants file."""

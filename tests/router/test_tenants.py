@@ -86,6 +86,7 @@ def test_open_mode_has_one_public_tenant_and_logs_it(caplog):
     _cfg(max_concurrent_requests=0),
     _cfg(rate_limit={"requests_per_second": 0}),
     _cfg(rate_limit={"rps": 1}),
+    _cfg(rate_limit={"burst_requests": 5}),
     {"tenants": [{"id": "a", "api_key_sha256": [hash_api_key("k")]},
                  {"id": "a", "api_key_sha256": [hash_api_key("l")]}]},
     {"tenants": [{"id": "a", "api_key_sha256": [hash_api_key("k")]},
