@@ -12,6 +12,7 @@ import statistics
 import time
 
 import torch
+
 from chunkserve.workers.kvcache import PrefixKVCache
 
 

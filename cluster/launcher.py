@@ -76,9 +76,10 @@ def redis_for(url: str | None) -> Iterator[str]:
 
 def serve_app(args: argparse.Namespace, redis_url: str) -> None:
     import ray
-    from chunkserve.router.app import APP_NAME, GRPC_SERVICER, build_app
     from ray import serve
     from ray.serve.config import gRPCOptions
+
+    from chunkserve.router.app import APP_NAME, GRPC_SERVICER, build_app
 
     cfg = app_config(args, redis_url)
     init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,

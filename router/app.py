@@ -14,9 +14,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from chunkserve.router.ingress import HandleEngineClient, Ingress, IngressConfig
 from chunkserve.router.tenants import load_tenants
-from pydantic import BaseModel, ConfigDict, Field
 
 GRPC_SERVICER = "chunkserve.v1.generate_pb2_grpc.add_ChunkServeServicer_to_server"
 APP_NAME = "chunkserve"
@@ -47,9 +48,10 @@ class AppConfig(BaseModel):
 
 def _model_info(model: str | None) -> tuple[Any, int, int]:
     """(tokenizer, max_model_len, vocab_size) without loading the weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
     from chunkserve.workers.config import ModelConfig, preset_config
     from chunkserve.workers.weights import embedded_checkpoint_dir
-    from transformers import AutoConfig, AutoTokenizer
 
     if model is None or model.lower() == "smollm2-135m-instruct" or model.startswith("random:"):
         ckpt = embedded_checkpoint_dir()
@@ -82,8 +84,9 @@ class ServeIngress(Ingress):
 
 def build_app(cfg: AppConfig) -> Any:
     """The bound Serve application for ``cfg``."""
-    from chunkserve.workers.deployment import build_worker_deployment
     from ray import serve
+
+    from chunkserve.workers.deployment import build_worker_deployment
 
     redis_url = cfg.resolved_redis_url()
     router_kwargs = {"redis_url": redis_url, **cfg.router}

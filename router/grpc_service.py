@@ -14,14 +14,14 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from pydantic import ValidationError
+
 from chunkserve.router.openai_api import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     validation_to_api_error,
 )
-from pydantic import ValidationError
-
 from chunkserve.v1 import generate_pb2 as pb
 from chunkserve.v1 import generate_pb2_grpc as pb_grpc
 

@@ -13,6 +13,12 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
 from chunkserve.router.openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -28,11 +34,6 @@ from chunkserve.router.openai_api import (
     usage_body,
     validation_to_api_error,
 )
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 if TYPE_CHECKING:
     from chunkserve.router.ingress import Ingress, Prepared

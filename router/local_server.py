@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import grpc
 import uvicorn
+
 from chunkserve.router.grpc_service import add_to_grpc_server
 from chunkserve.router.ingress import Ingress, IngressConfig, LocalEngineClient
 from chunkserve.router.tenants import TenantRegistry, load_tenants

@@ -6,11 +6,11 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
+
+from chunkserve.client import AsyncGrpcClient, ChunkServeError, GrpcClient, HTTPClient, build_request
 from chunkserve.router.local_server import LocalServer, local_ingress
 from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants
 from chunkserve.workers.engine import EngineConfig
-
-from chunkserve.client import AsyncGrpcClient, ChunkServeError, GrpcClient, HTTPClient, build_request
 
 MODEL = "tiny-client"
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from chunkserve.workers.engine import EngineConfig, EngineCore
 from chunkserve.workers.sampling import SamplingParams
 from chunkserve.workers.weights import LoadedModel, embedded_checkpoint_dir, load_model

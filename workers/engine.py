@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from chunkserve.workers.chunk_pool import KVCacheFull
 from chunkserve.workers.config import ModelConfig
 from chunkserve.workers.kvcache import PrefixKVCache

@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
+
 from chunkserve.cluster.events import CacheEvent
 from chunkserve.kernels.context import ChunkContext
 from chunkserve.workers.chunk_pool import ChunkPool, KVCacheFull

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
 from chunkserve.kernels.context import ChunkContext
 
 if TYPE_CHECKING:

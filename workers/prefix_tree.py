@@ -11,6 +11,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
+
 from chunkserve.cluster.events import CacheEvent
 from chunkserve.cluster.hashing import chunk_hash
 from chunkserve.workers.chunk_pool import ChunkPool, KVCacheFull

@@ -8,6 +8,7 @@ attention over each piece's cached prefix and TPP decode attention over the deco
 from __future__ import annotations
 
 import torch
+
 from chunkserve.kernels.api import decode_attention
 from chunkserve.kernels.context import ChunkContext
 from chunkserve.kernels.prefill import prefill_attention

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
 from chunkserve.router.local_server import LocalServer, local_ingress
 from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants
-from chunkserve.workers.engine import EngineConfig
-
 from chunkserve.v1 import generate_pb2 as pb
 from chunkserve.v1 import generate_pb2_grpc as pb_grpc
+from chunkserve.workers.engine import EngineConfig
 
 MODEL = "tiny-grpc"
 CTX = 512

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import httpx2
 import openai
 import pytest
+
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.router.local_server import LocalServer, local_ingress
 from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants

@@ -12,11 +12,12 @@ from collections.abc import Iterator
 import httpx2
 import openai
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
 from chunkserve.router.local_server import LocalServer, local_ingress
 from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants
 from chunkserve.workers.engine import EngineConfig
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
 
 MODEL = "tiny-load"
 CTX = 256

@@ -12,11 +12,11 @@ import grpc
 import httpx2
 import openai
 import pytest
+
+from chunkserve.client import ChunkServeError, GrpcClient
 from chunkserve.router.ingress import HandleEngineClient, Ingress, IngressConfig
 from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants
 from chunkserve.workers.engine import EngineConfig
-
-from chunkserve.client import ChunkServeError, GrpcClient
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")

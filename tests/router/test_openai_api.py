@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from chunkserve.router.openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -17,8 +20,6 @@ from chunkserve.router.openai_api import (
     usage_body,
 )
 from chunkserve.router.server_metrics import ServerMetrics
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 LIMIT = 1 << 20
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
+
 from chunkserve.router.ratelimit import RateLimited, RateLimiter, TokenBucket
 from chunkserve.router.tenants import (
     AuthError,
@@ -19,7 +21,6 @@ from chunkserve.router.tenants import (
     main,
     parse_tenants,
 )
-from pydantic import ValidationError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "tenants.example.yaml"
 

@@ -6,10 +6,11 @@ import random
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from chunkserve.workers.engine import EngineConfig, EngineCore
 from chunkserve.workers.llm import LLM
 from chunkserve.workers.sampling import SamplingParams
-from transformers import LlamaConfig, LlamaForCausalLM
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.workers.chunk_pool import KVCacheFull
 from chunkserve.workers.kvcache import PrefixKVCache

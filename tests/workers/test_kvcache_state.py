@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from chunkserve.workers.chunk_pool import KVCacheFull
-from chunkserve.workers.kvcache import PrefixKVCache
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from chunkserve.workers.chunk_pool import KVCacheFull
+from chunkserve.workers.kvcache import PrefixKVCache
 
 L, H, D, C, N = 2, 2, 3, 4, 20
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 40, 41], [7] * 13, []]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from chunkserve.workers.weights import embedded_gguf_path
 
 from chunkserve import LLM, SamplingParams
+from chunkserve.workers.weights import embedded_gguf_path
 
 pytestmark = pytest.mark.slow
 
