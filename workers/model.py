@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
 from chunkserve.workers.config import ModelConfig
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
 from chunkserve.workers.config import ModelConfig, preset_config
 from chunkserve.workers.model import CausalLM
 

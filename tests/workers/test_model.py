@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from chunkserve.workers.config import ModelConfig, preset_config
 from chunkserve.workers.model import CausalLM, DenseCausalAttention, rope_inv_freq
-from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 320
 

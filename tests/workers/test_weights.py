@@ -8,6 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
 from chunkserve.workers.config import ModelConfig
 from chunkserve.workers.model import CausalLM, DenseCausalAttention
 from chunkserve.workers.weights import (
@@ -16,14 +25,6 @@ from chunkserve.workers.weights import (
     embedded_gguf_path,
     load_model,
     save_checkpoint,
-)
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    MistralConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
 )
 
 VOCAB = 256
