@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+
 from chunkserve.kernels.context import ChunkContext
 from chunkserve.kernels.torch_ops import Workspace
 

@@ -19,6 +19,7 @@ import platform
 from pathlib import Path
 
 import torch
+
 from chunkserve.kernels.api import get_decode_fn
 from chunkserve.kernels.bench_util import Machine, Timer, measure_machine, median_us, method_bytes, roofline_s
 from chunkserve.kernels.torch_ops import Workspace

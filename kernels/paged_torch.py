@@ -8,6 +8,7 @@ once per step, paged once per row.
 from __future__ import annotations
 
 import torch
+
 from chunkserve.kernels.context import ChunkContext
 from chunkserve.kernels.torch_ops import Workspace, combine_partials, dense_chunk_pass, group_size, num_groups
 

@@ -7,6 +7,7 @@ the same inner loop and block sizes; only the algorithm differs.
 from __future__ import annotations
 
 import torch
+
 from chunkserve.kernels.context import ChunkContext
 from chunkserve.kernels.tpp_triton import _tpp_phase2, block_sizes, check_triton_inputs, dot_modes
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from chunkserve.kernels.torch_ops import partial_attention
 
 PREFILL_BACKENDS = ("torch", "triton", "auto")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from chunkserve.kernels.tpp_triton import check_triton_inputs, dot_modes
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from chunkserve.kernels.context import ChunkContext
 
 Path = list[tuple[int, int]]  # [(chunk_id, valid_tokens)] root first

@@ -14,6 +14,7 @@ run over runs and chunk positions only.
 from __future__ import annotations
 
 import torch
+
 from chunkserve.kernels.context import ChunkContext
 from chunkserve.kernels.torch_ops import (
     Workspace,
@@ -25,27 +26,29 @@ from chunkserve.kernels.torch_ops import (
 )
 
 
-def _run_kv(
-    pool: torch.Tensor, ctx: ChunkContext, r: int, flat_index: torch.Tensor | None
-) -> torch.Tensor:
-    """The run's valid keys (or values) as [Hkv, T, D]: a view when possible, else a gather."""
+def _run_kv(pool: torch.Tensor, ctx: ChunkContext, r: int, ws: Workspace, name: str) -> torch.Tensor:
+    """Run ``r``'s valid keys (or values) as [Hkv, T, D].
+
+    Consecutive chunk ids: a view of the pool (no copy). Otherwise, when only the last chunk is
+    partly filled, one chunk-granular gather; else (partly filled chunks inside the run, after a
+    fork) a token-granular gather of exactly the valid tokens. Invalid slots are never read.
+    """
     hkv, _n, c, d = pool.shape
     _i, _j, first, n, contiguous = ctx.runs_host[r]
-    if flat_index is None:  # contiguous, only the last chunk may be partly filled
-        total = (n - 1) * c + ctx.run_token_lists[r][-1]
-        return pool[:, first : first + n].reshape(hkv, n * c, d)[:, :total]
-    return pool.reshape(hkv, -1, d).index_select(1, flat_index)
-
-
-def _run_flat_index(ctx: ChunkContext, r: int, device: torch.device) -> torch.Tensor | None:
-    """Flat pool token indices of run ``r``'s valid tokens, or None when a view covers them."""
-    _i, _j, _first, _n, contiguous = ctx.runs_host[r]
     toks = ctx.run_token_lists[r]
-    c = ctx.chunk_size
-    if contiguous and all(t == c for t in toks[:-1]):
-        return None
-    idx = [ch * c + t for ch, nt in zip(ctx.run_chunk_lists[r], toks, strict=True) for t in range(nt)]
-    return torch.tensor(idx, dtype=torch.int64, device=device)
+    inner_full = all(t == c for t in toks[:-1])
+    total = sum(toks)
+    if contiguous and inner_full:
+        return pool[:, first : first + n].reshape(hkv, n * c, d)[:, :total]
+    ids = torch.tensor(ctx.run_chunk_lists[r], dtype=torch.int64, device=pool.device)
+    if inner_full:
+        buf = ws.take(name, (hkv, n, c, d), pool.dtype, pool.device)
+        return torch.index_select(pool, 1, ids, out=buf).view(hkv, n * c, d)[:, :total]
+    ar = torch.arange(c, device=pool.device)
+    nt = torch.tensor(toks, dtype=torch.int64, device=pool.device)
+    flat = (ids[:, None] * c + ar[None, :])[ar[None, :] < nt[:, None]]  # [total]
+    buf = ws.take(name, (hkv, total, d), pool.dtype, pool.device)
+    return torch.index_select(pool.reshape(hkv, -1, d), 1, flat, out=buf)
 
 
 def private_table(ctx: ChunkContext) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -96,9 +99,8 @@ def tpp_decode_torch(
         i, j = ctx.runs_host[r][0], ctx.runs_host[r][1]
         n = j - i
         q_run = qf[i:j].view(n, hkv, g, d).transpose(0, 1).reshape(1, hkv, n * g, d)
-        flat = _run_flat_index(ctx, r, dev)
-        k = _run_kv(k_pool_l, ctx, r, flat).unsqueeze(0)  # [1, Hkv, T, D]
-        v = _run_kv(v_pool_l, ctx, r, flat).unsqueeze(0)
+        k = _run_kv(k_pool_l, ctx, r, ws, "run_k").unsqueeze(0)  # [1, Hkv, T, D]
+        v = _run_kv(v_pool_l, ctx, r, ws, "run_v").unsqueeze(0)
         o, lse = partial_attention(q_run, k, v, scale, None, ws)  # [1, Hkv, n*g, D], [1, Hkv, n*g]
         part_o[r, i:j].copy_(o.view(hkv, n, g, d).transpose(0, 1))
         part_lse[r, i:j].copy_(lse.view(hkv, n, g).transpose(0, 1))

@@ -19,6 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+
 from chunkserve.kernels.context import ChunkContext
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from chunkserve.kernels import chunk_attention
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from chunkserve.kernels import chunk_attention
-from chunkserve.kernels.testing import random_tree, sdpa_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from chunkserve.kernels import chunk_attention
+from chunkserve.kernels.testing import random_tree, sdpa_reference
 
 TORCH_BACKENDS = ["torch", "paged-torch", "reference"]
 HEADS = [(1, 1), (4, 1), (9, 3), (32, 8), (4, 4)]
@@ -151,3 +152,31 @@ def test_auto_backend_and_explicit_scale(cache_tree, check):
     q = torch.randn(len(ids), 2, 64)
     o = chunk_attention(q, tree.cache, ids, backend="auto", scale=0.3)
     assert check.rel_err(o, tree.reference(q, ids, 0.3)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "shared",
+    [
+        [(4, 16), (5, 16), (6, 9)],  # consecutive ids: read as a view
+        [(9, 16), (2, 16), (6, 9)],  # scattered full chunks: one chunk-granular gather
+        [(4, 16), (5, 7), (6, 16)],  # partly filled chunk inside the run (after a fork)
+    ],
+)
+@pytest.mark.parametrize("backend", ["torch", "paged-torch", "triton", "paged-triton"])
+def test_shared_run_layouts(shared, backend):
+    from chunkserve.kernels.testing import ChunkTree
+
+    gen = torch.Generator().manual_seed(0)
+    k_pool = torch.full((1, 2, 12, 16, 64), float("nan"))
+    v_pool = torch.full((1, 2, 12, 16, 64), float("nan"))
+    for ch, nt in [*shared, (0, 3), (1, 16), (10, 5)]:
+        k_pool[0, :, ch, :nt] = torch.randn(2, nt, 64, generator=gen)
+        v_pool[0, :, ch, :nt] = torch.randn(2, nt, 64, generator=gen)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tree = ChunkTree(k_pool.to(dev), v_pool.to(dev), [[*shared, (0, 3)], [*shared, (1, 16), (10, 5)], list(shared)], 16)
+    ctx = tree.context([0, 1, 2])
+    assert ctx.num_runs == 1 and ctx.run_token_lists[0] == tuple(nt for _, nt in shared)
+    q = torch.randn(3, 4, 64, generator=gen)
+    ref = torch.stack([sdpa_reference(q[i], *[x.cpu() for x in tree.gather(i)], 0.125) for i in range(3)])
+    o = chunk_attention(q.to(dev), tree, [0, 1, 2], backend=backend).cpu()
+    assert float((o.double() - ref).norm() / ref.norm()) < 1e-5

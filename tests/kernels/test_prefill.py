@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from chunkserve.kernels.prefill import prefill_attention
-from chunkserve.kernels.testing import random_tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from chunkserve.kernels.prefill import prefill_attention
+from chunkserve.kernels.testing import random_tree
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"

@@ -6,10 +6,11 @@ import os
 
 import pytest
 import torch
-from chunkserve.kernels import chunk_attention, decode_attention
-from chunkserve.kernels.testing import random_tree, sdpa_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from chunkserve.kernels import chunk_attention, decode_attention
+from chunkserve.kernels.testing import random_tree, sdpa_reference
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
