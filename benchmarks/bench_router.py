@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from chunkserve.cluster.events import CacheEvent, WorkerPublisher
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.index import AsyncPrefixIndex, PrefixIndex

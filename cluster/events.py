@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import redis
+
 from chunkserve.cluster.index import (
     DEFAULT_NAMESPACE,
     HEARTBEAT_LUA,

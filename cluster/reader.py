@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis
+
 from chunkserve.cluster.index import AsyncPrefixIndex
 
 logger = logging.getLogger(__name__)

@@ -21,12 +21,13 @@ from collections import Counter
 from numbers import Integral
 from typing import Any
 
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.index import DEFAULT_NAMESPACE, AsyncPrefixIndex
 from chunkserve.cluster.reader import CachedIndexReader, ReaderConfig
 from chunkserve.router.metrics import RouterMetrics
 from chunkserve.router.policy import PolicyConfig, PrefixPolicy, ReplicaLoad
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 logger = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ import time
 
 import pytest
 import redis
+
 from chunkserve.cluster.events import CacheEvent, WorkerPublisher
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.index import IndexKeys, PrefixIndex, decode_hash, encode_hash

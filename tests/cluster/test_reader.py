@@ -4,6 +4,7 @@ import asyncio
 import logging
 
 import pytest
+
 from chunkserve.cluster.events import CacheEvent, WorkerPublisher
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.index import AsyncPrefixIndex

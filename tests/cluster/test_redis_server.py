@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import redis
+
 from chunkserve.cluster.redis_server import RedisServer
 
 

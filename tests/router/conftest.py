@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+
 from chunkserve.cluster.redis_server import RedisServer
 
 

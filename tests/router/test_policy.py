@@ -4,6 +4,7 @@ import asyncio
 from collections import Counter
 
 import pytest
+
 from chunkserve.cluster.events import CacheEvent, WorkerPublisher
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.index import AsyncPrefixIndex

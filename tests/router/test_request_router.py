@@ -15,14 +15,15 @@ from typing import Any
 
 import pytest
 import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
 from chunkserve.cluster.events import CacheEvent, WorkerPublisher
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.index import PrefixIndex
 from chunkserve.cluster.redis_server import RedisServer
 from chunkserve.router.policy import rendezvous_weight
 from chunkserve.router.request_router import extract_chain
-from ray import serve
-from ray.serve.config import RequestRouterConfig
 
 pytestmark = pytest.mark.slow
 
