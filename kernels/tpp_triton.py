@@ -183,6 +183,12 @@ def pick_split(ctx: ChunkContext, programs: int, device: torch.device) -> int:
     return max(1, min(longest, triton.cdiv(target, max(1, programs)), 64))
 
 
+def nonempty(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a 1-element stand-in when empty (a CUDA launch rejects the null pointer of an
+    empty tensor; the kernels never read it then)."""
+    return t if t.numel() else torch.zeros(1, dtype=t.dtype, device=t.device)
+
+
 def tpp_decode_triton(
     q_sorted: torch.Tensor,
     k_pool_l: torch.Tensor,
@@ -216,7 +222,7 @@ def tpp_decode_triton(
         pl = torch.empty(split, npart, hq, dtype=torch.float32, device=dev)
         _tpp_phase1[(num_runs, hkv * split, tiles)](
             q_sorted, k_pool_l, v_pool_l, po, pm, pl, ctx.run_start, ctx.run_end, ctx.run_chunk_ptr,
-            ctx.run_chunks, ctx.run_tokens, ctx.run_row_offset, scale, split, npart,
+            nonempty(ctx.run_chunks), nonempty(ctx.run_tokens), ctx.run_row_offset, scale, split, npart,
             q_sorted.stride(0), q_sorted.stride(1), *strides,
             HQ=hq, G=g, HEAD_D=d, CHUNK=c, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             QK_NATIVE=qk_native, PV_TF32=pv_tf32,
@@ -227,8 +233,9 @@ def tpp_decode_triton(
     ptr = ctx.seq_chunk_ptr
     count = ptr[1:] - ptr[:-1]
     _tpp_phase2[(b, hkv)](
-        q_sorted, k_pool_l, v_pool_l, o, po, pm, pl, ctx.run_start, ctx.run_row_offset, ctx.seq_run_ptr,
-        ctx.seq_runs, ptr, count, ctx.seq_chunks, ctx.seq_tokens, scale, split, npart,
+        q_sorted, k_pool_l, v_pool_l, o, po, pm, pl, nonempty(ctx.run_start), nonempty(ctx.run_row_offset),
+        ctx.seq_run_ptr, nonempty(ctx.seq_runs), ptr, count, nonempty(ctx.seq_chunks), nonempty(ctx.seq_tokens),
+        scale, split, npart,
         q_sorted.stride(0), q_sorted.stride(1), o.stride(0), o.stride(1), *strides,
         HQ=hq, G=g, HEAD_D=d, CHUNK=c, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_RUNS=num_runs > 0, QK_NATIVE=qk_native, PV_TF32=pv_tf32,
