@@ -103,3 +103,23 @@ def test_bf16_in_the_interpreter_is_rejected_clearly(cache_tree):
     s = tree.add([1, 2, 3])
     with pytest.raises(ValueError, match="bf16"):
         chunk_attention(torch.randn(1, 1, 64).bfloat16(), tree.cache, [s], backend="triton")
+
+
+@pytest.mark.parametrize("c", [128, 256])
+def test_triton_large_chunks(cache_tree, check, c):
+    tree = cache_tree(c, 1, 64, c, torch.float32, num_chunks=16, device=DEV)
+    ids = tree.grow(3, max_len=c + 40, decode_steps=1, scatter=False)
+    q = torch.randn(len(ids), 2, 64, generator=tree.gen).to(DEV)
+    ref = tree.reference(q, ids, 0.125)
+    for backend in ("triton", "paged-triton"):
+        assert check.rel_err(chunk_attention(q, tree.cache, ids, backend=backend), ref) < 1e-5
+
+
+def test_triton_large_logits_do_not_overflow(cache_tree, check):
+    tree = cache_tree(3, 2, 64, 16, torch.float16, magnitude=30.0, device=DEV)
+    ids = tree.grow(4, max_len=40, decode_steps=1)
+    q = (torch.randn(len(ids), 4, 64, generator=tree.gen) * 30.0).half().to(DEV)
+    ref = tree.reference(q, ids, 0.125)
+    for backend in ("triton", "paged-triton"):
+        o = chunk_attention(q, tree.cache, ids, backend=backend)
+        assert torch.isfinite(o).all() and check.rel_err(o, ref) < 2e-3
