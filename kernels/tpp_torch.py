@@ -92,8 +92,13 @@ def tpp_decode_torch(
     table, tokens, counts = private_table(ctx)
     group = group_size(counts, b, hkv, c, d, k_pool_l.element_size())
     slots = ctx.num_runs + num_groups(counts, group)
-    part_o = ws.take("part_o", (max(slots, 1), b, hkv, g, d), torch.float32, dev).zero_()
-    part_lse = ws.take("part_lse", (max(slots, 1), b, hkv, g), torch.float32, dev).fill_(float("-inf"))
+    # one shared run over every row and nothing private (full sharing): its partial is the answer
+    only_run = slots == 1 and ctx.num_runs == 1 and ctx.runs_host[0][1] - ctx.runs_host[0][0] == b
+    part_o = ws.take("part_o", (max(slots, 1), b, hkv, g, d), torch.float32, dev)
+    part_lse = ws.take("part_lse", (max(slots, 1), b, hkv, g), torch.float32, dev)
+    if not only_run:
+        part_o.zero_()
+        part_lse.fill_(float("-inf"))
     # phase 1: one batched partial per shared run, the queries of its rows stacked (GQA packed)
     for r in range(ctx.num_runs):
         i, j = ctx.runs_host[r][0], ctx.runs_host[r][1]
@@ -104,6 +109,9 @@ def tpp_decode_torch(
         o, lse = partial_attention(q_run, k, v, scale, None, ws)  # [1, Hkv, n*g, D], [1, Hkv, n*g]
         part_o[r, i:j].copy_(o.view(hkv, n, g, d).transpose(0, 1))
         part_lse[r, i:j].copy_(lse.view(hkv, n, g).transpose(0, 1))
+    if only_run:
+        res = part_o[0].view(b, hq, d)
+        return res.to(q_sorted.dtype, copy=True) if out is None else out.copy_(res)
     # phase 2: private chunks position group by position group, then one merge per row
     dense_chunk_pass(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, table, tokens, counts, group,
                      part_o[ctx.num_runs :], part_lse[ctx.num_runs :], scale, ws)
