@@ -111,7 +111,7 @@ def create_app(ingress: Ingress) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        await ingress.engine_stats()
+        await ingress.refresh_metrics()
         return Response(ingress.metrics.render(), media_type=ingress.metrics.content_type)
 
     @app.get("/v1/models")

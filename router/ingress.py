@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -34,6 +35,7 @@ from typing import Any, Protocol
 
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.hashing import hash_chain
+from chunkserve.cluster.stats import ClusterStatsReader, snapshot_of
 from chunkserve.router.grpc_service import GrpcServiceMixin
 from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
 from chunkserve.router.ratelimit import Lease, RateLimited, RateLimiter
@@ -46,6 +48,7 @@ from chunkserve.workers.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 _THREAD_TOKENIZE_CHARS = 4096  # longer texts are tokenised in a worker thread, off the event loop
+REDIS_URL_ENV = "CHUNKSERVE_REDIS_URL"  # where a Serve ingress finds the workers' stats by default
 
 
 class EngineClient(Protocol):
@@ -143,7 +146,10 @@ class Ingress(GrpcServiceMixin):
     """Authentication, admission, tokenisation, hashing and streaming for HTTP and gRPC."""
 
     def __init__(self, engine: EngineClient, tokenizer: Any, tenants: TenantRegistry, config: IngressConfig,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, cluster_stats: ClusterStatsReader | None = None) -> None:
+        """``cluster_stats``: where ``/metrics`` reads the workers' stats; by default, behind Ray (a
+        ``HandleEngineClient``) a reader of ``$CHUNKSERVE_REDIS_URL`` when set. An in-process engine
+        reports its own stats."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.tenants = tenants
@@ -153,6 +159,9 @@ class Ingress(GrpcServiceMixin):
         self.created = int(time.time())
         self._vocab = config.vocab_size or len(tokenizer)
         self._app: Any = None
+        if cluster_stats is None and isinstance(engine, HandleEngineClient) and os.environ.get(REDIS_URL_ENV):
+            cluster_stats = ClusterStatsReader(os.environ[REDIS_URL_ENV])
+        self.cluster_stats = cluster_stats
 
     # ---- Ray Serve hook ------------------------------------------------------------------------------
     def __serve_build_asgi_app__(self) -> Any:
@@ -334,6 +343,22 @@ class Ingress(GrpcServiceMixin):
         elif used is not None and total:
             self.metrics.set_kv_usage(float(used) / float(total))
         return stats
+
+    async def refresh_metrics(self) -> None:
+        """Bring the cluster view of the metrics up to date before a render: the workers' snapshots from
+        Redis (cached ~1 s, bounded wait; shown as down when Redis does not answer), or the in-process
+        engine's stats as worker "local". Never raises."""
+        if self.cluster_stats is not None:
+            try:
+                snaps = await self.cluster_stats.snapshots()
+            except Exception:  # metrics must never fail a scrape
+                logger.exception("cluster stats failed")
+                snaps = None
+            self.metrics.set_cluster(snaps)
+            return
+        stats = await self.engine_stats()
+        if stats is not None:
+            self.metrics.set_cluster([snapshot_of(stats, "local")])
 
     @staticmethod
     def new_request_id(prefix: str) -> str:

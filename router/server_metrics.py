@@ -3,12 +3,26 @@
 Each ``ServerMetrics`` owns its own ``CollectorRegistry`` (no process-global state), and ``/metrics``
 renders it. Labels: ``model_name`` and ``tenant`` (tenants come from the config, so the cardinality is
 bounded); errors are counted by status code.
+
+Cluster view: ``set_cluster(snapshots)`` takes the workers' stats snapshots (``cluster/stats.py``; one
+``worker_id="local"`` snapshot for an in-process engine) and exposes them per worker, as
+``chunkserve:worker_<name>{model_name, worker_id}`` (the gauges and counters of
+``workers/worker_metrics.py``), plus ``chunkserve:kv_cache_usage_perc`` over the whole cluster
+(sum of used chunks / sum of pool chunks), ``chunkserve:workers_reporting`` and
+``chunkserve:cluster_stats_up`` (0 while Redis does not answer).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from chunkserve.workers.worker_metrics import COUNTERS, DESCRIPTIONS, GAUGES
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0)
@@ -16,6 +30,45 @@ _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
                  5.0, 10.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0)
+
+
+class _ClusterCollector:
+    """Renders the latest worker snapshots (set from the ingress before each render)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshots: list[dict[str, Any]] = []
+        self.up: bool | None = None  # None: no cluster source (nothing rendered)
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic families: no registration-time collect
+
+    def collect(self) -> Iterator[Metric]:
+        if self.up is None:
+            return
+        up = GaugeMetricFamily("chunkserve:cluster_stats_up", "1 when the workers' stats could be read.",
+                               labels=["model_name"])
+        up.add_metric([self.model_name], 1.0 if self.up else 0.0)
+        yield up
+        n = GaugeMetricFamily("chunkserve:workers_reporting", "Workers with a fresh stats snapshot.",
+                              labels=["model_name"])
+        n.add_metric([self.model_name], float(len(self.snapshots)))
+        yield n
+        lab = ["model_name", "worker_id"]
+        for name, field in GAUGES.items():
+            g = GaugeMetricFamily(f"chunkserve:worker_{name}", DESCRIPTIONS[name], labels=lab)
+            for snap in self.snapshots:
+                v = snap.get(field)
+                if isinstance(v, (int, float)):
+                    g.add_metric([self.model_name, str(snap.get("worker_id"))], float(v))
+            yield g
+        for name, field in COUNTERS.items():
+            c = CounterMetricFamily(f"chunkserve:worker_{name}", DESCRIPTIONS[name], labels=lab)
+            for snap in self.snapshots:
+                v = snap.get(field)
+                if isinstance(v, (int, float)):
+                    c.add_metric([self.model_name, str(snap.get("worker_id"))], float(v))
+            yield c
 
 
 class ServerMetrics:
@@ -58,6 +111,8 @@ class ServerMetrics:
         self.e2e_request_latency = Histogram(
             "chunkserve:e2e_request_latency_seconds", "End-to-end request latency.", tl,
             buckets=_E2E_BUCKETS, registry=r)
+        self._cluster = _ClusterCollector(model_name)
+        r.register(self._cluster)
 
     def _l(self, tenant: str) -> dict[str, str]:
         return {"model_name": self.model_name, "tenant": tenant}
@@ -94,6 +149,21 @@ class ServerMetrics:
 
     def set_kv_usage(self, fraction: float) -> None:
         self.kv_cache_usage_perc.labels(model_name=self.model_name).set(fraction)
+
+    def set_cluster(self, snapshots: Sequence[dict[str, Any]] | None) -> None:
+        """The workers' latest stats snapshots; None: the source did not answer (shown as down, and no
+        cluster KV usage rather than a stale one)."""
+        c = self._cluster
+        if snapshots is None:
+            c.up, c.snapshots = False, []
+            with contextlib.suppress(KeyError):
+                self.kv_cache_usage_perc.remove(self.model_name)
+            return
+        c.up, c.snapshots = True, [dict(s) for s in snapshots]
+        used = sum(float(s.get("kv_chunks_used", 0) or 0) for s in c.snapshots)
+        total = sum(float(s.get("kv_chunks_total", 0) or 0) for s in c.snapshots)
+        if total > 0:
+            self.set_kv_usage(used / total)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

@@ -3,7 +3,9 @@
 `WorkerServer` is the Ray-agnostic replica body (tests can run it in-process); `build_worker_deployment`
 wraps it as a Serve deployment whose requests are routed by `PrefixAwareRouter`. Each replica
 publishes stored/evicted chunk hashes under its Ray replica id once per ~50 ms batch, and holds a
-lease in Redis through the publisher's heartbeat thread.
+lease in Redis through the publisher's heartbeat thread. About once a second the same loop records the
+engine's stats as Ray Serve metrics (`workers/worker_metrics.py`) and, with Redis, writes a stats snapshot
+(`cluster/stats.py`) that the ingress's ``/metrics`` reads.
 """
 
 from __future__ import annotations
@@ -17,42 +19,68 @@ from typing import Any
 from chunkserve.workers.async_engine import AsyncEngine
 from chunkserve.workers.engine import EngineConfig
 from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
+from chunkserve.workers.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 0.05
+STATS_INTERVAL_S = 1.0
 
 
 class WorkerServer:
     """An engine plus its cache-event publisher; the body of a worker replica."""
 
     def __init__(self, engine_config: dict[str, Any] | EngineConfig, worker_id: str,
-                 redis_url: str | None = None, lease_ttl_s: float = 5.0, max_depth: int | None = None) -> None:
+                 redis_url: str | None = None, lease_ttl_s: float = 5.0, max_depth: int | None = None,
+                 namespace: str | None = None, enable_ray_metrics: bool = True) -> None:
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.worker_id = worker_id
         self.engine = AsyncEngine(cfg)
+        self.metrics = WorkerMetrics(worker_id, enable_ray=enable_ray_metrics)
         self.publisher = None
+        self.stats_writer = None
         self._pub_task: asyncio.Task | None = None
         if redis_url:
             from chunkserve.cluster.events import DEFAULT_MAX_DEPTH, WorkerPublisher
+            from chunkserve.cluster.index import DEFAULT_NAMESPACE
+            from chunkserve.cluster.stats import WorkerStatsWriter
 
+            ns = namespace or DEFAULT_NAMESPACE
             depth = max_depth or DEFAULT_MAX_DEPTH
             cache = self.engine.core.cache
-            self.publisher = WorkerPublisher(redis_url, worker_id, lease_ttl_s=lease_ttl_s, max_depth=depth,
-                                             snapshot=lambda: cache.cached_hashes(depth)).start()
+            self.publisher = WorkerPublisher(redis_url, worker_id, namespace=ns, lease_ttl_s=lease_ttl_s,
+                                             max_depth=depth, snapshot=lambda: cache.cached_hashes(depth)).start()
+            self.stats_writer = WorkerStatsWriter(self.publisher.client, worker_id, namespace=ns,
+                                                  ttl_s=max(lease_ttl_s, 3 * STATS_INTERVAL_S))
 
     def start_publishing(self) -> None:
-        """Start the event-publishing task on the running event loop (idempotent)."""
-        if self.publisher is not None and self._pub_task is None:
+        """Start the event-publishing and stats task on the running event loop (idempotent)."""
+        if self._pub_task is None:
             self._pub_task = asyncio.get_running_loop().create_task(self._publish_loop())
 
     async def _publish_loop(self) -> None:
-        assert self.publisher is not None
+        next_stats = 0.0
         while True:
-            events = self.engine.drain_cache_events()
-            if events:
-                await asyncio.to_thread(self.publisher.publish, events)
-            await asyncio.sleep(PUBLISH_INTERVAL_S)
+            try:
+                if self.publisher is not None:
+                    events = self.engine.drain_cache_events()
+                    if events:
+                        await asyncio.to_thread(self.publisher.publish, events)
+                now = asyncio.get_running_loop().time()
+                if now >= next_stats:
+                    next_stats = now + STATS_INTERVAL_S
+                    await self.report_stats()
+            except Exception:  # never let one bad tick stop publishing
+                logger.exception("worker %s: publish/stats tick failed", self.worker_id)
+            await asyncio.sleep(PUBLISH_INTERVAL_S if self.publisher is not None else STATS_INTERVAL_S)
+
+    async def report_stats(self) -> dict[str, Any]:
+        """Record the engine's stats as metrics and (with Redis) write the snapshot. -> the stats."""
+        st = self.engine.stats()
+        self.metrics.update(st)
+        if self.stats_writer is not None:
+            await asyncio.to_thread(self.stats_writer.write, st)
+        return st
 
     async def generate(self, request: GenerateRequest, chunk_hashes: list[int] | None = None
                        ) -> AsyncIterator[GenerateDelta]:
@@ -74,6 +102,8 @@ class WorkerServer:
     def shutdown(self) -> None:
         if self._pub_task is not None:
             self._pub_task.cancel()
+        if self.stats_writer is not None:
+            self.stats_writer.delete()
         if self.publisher is not None:
             self.publisher.stop(release=True)
         self.engine.shutdown()
@@ -102,9 +132,13 @@ def build_worker_deployment(name: str = "Worker", num_replicas: int | str = 1,
     @serve.deployment(**opts)
     class Worker:
         def __init__(self, engine_config: dict[str, Any], redis_url: str | None = None,
-                     lease_ttl_s: float = 5.0) -> None:
+                     lease_ttl_s: float = 5.0, namespace: str | None = None) -> None:
             worker_id = serve.get_replica_context().replica_id.unique_id
-            self.server = WorkerServer(engine_config, worker_id, redis_url, lease_ttl_s)
+            self.server = WorkerServer(engine_config, worker_id, redis_url, lease_ttl_s, namespace=namespace)
+            # Serve runs the constructor on the replica's event loop: report from the start (without a
+            # running loop the first request starts it).
+            with contextlib.suppress(RuntimeError):
+                self.server.start_publishing()
 
         async def generate(self, request: GenerateRequest, chunk_hashes: list[int] | None = None
                            ) -> AsyncIterator[GenerateDelta]:

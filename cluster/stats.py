@@ -1,0 +1,171 @@
+"""Worker stats snapshots in Redis, so the ingress's ``/metrics`` shows the whole cluster.
+
+Each worker writes one small JSON snapshot of its engine stats with a TTL, about once a second, from its
+publishing loop (:class:`WorkerStatsWriter`, sync redis-py, called off the event loop). The ingress reads
+all live snapshots (:class:`ClusterStatsReader`, redis.asyncio) when it renders ``/metrics``: cached
+for ``cache_ttl_s``, never waiting more than ``timeout_s``; Redis errors give ``None`` (logged once).
+
+Key schema (same namespace and hash-tag rules as ``cluster/index.py``; see docs/cluster-index.md):
+
+* ``{ns:w:<worker>}:stats``  string, JSON object of numbers (``STATS_FIELDS`` + ``worker_id``, ``ts_ms``),
+  ``PX`` TTL ``ttl_s`` (default 5 s). Shares the worker's hash tag, so it lives in the lease's slot.
+* Workers are discovered through the index registry ``{ns}:workers`` (zset, kept by the lease heartbeat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+
+from chunkserve.cluster.index import DEFAULT_NAMESPACE, IndexKeys, check_worker_id, now_ms
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STATS_TTL_S = 5.0
+# Engine stats copied into a snapshot (numbers only; cumulative ones are counters).
+STATS_FIELDS = ("kv_cache_usage_perc", "kv_chunks_used", "kv_chunks_cached", "kv_chunks_total",
+                "num_requests_running", "num_requests_waiting", "num_preemptions",
+                "prompt_tokens_total", "prefix_cached_tokens")
+
+
+def stats_key(namespace: str, worker_id: str) -> str:
+    """``{ns:w:<worker>}:stats`` (the worker's hash tag, as for its lease and chunk set)."""
+    IndexKeys(namespace)  # validates the namespace
+    return f"{{{namespace}:w:{check_worker_id(worker_id)}}}:stats"
+
+
+def snapshot_of(stats: Mapping[str, Any], worker_id: str) -> dict[str, Any]:
+    """The snapshot written for ``stats`` (an engine ``stats()`` dict): numeric ``STATS_FIELDS`` only."""
+    snap: dict[str, Any] = {"worker_id": worker_id, "ts_ms": now_ms()}
+    for f in STATS_FIELDS:
+        v = stats.get(f)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            snap[f] = v
+    return snap
+
+
+class WorkerStatsWriter:
+    """Writes one worker's stats snapshot (``SET key json PX ttl``); never raises on Redis errors."""
+
+    def __init__(self, client: redis.Redis | str, worker_id: str, namespace: str = DEFAULT_NAMESPACE,
+                 ttl_s: float = DEFAULT_STATS_TTL_S, socket_timeout_s: float = 1.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if isinstance(client, str):
+            client = redis.Redis.from_url(client, socket_timeout=socket_timeout_s,
+                                          socket_connect_timeout=socket_timeout_s)
+        self.client = client
+        self.worker_id = check_worker_id(worker_id)
+        self.key = stats_key(namespace, worker_id)
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self._ok = True
+
+    def write(self, stats: Mapping[str, Any]) -> bool:
+        """Write the snapshot of ``stats``. -> False when Redis is unreachable (logged once)."""
+        try:
+            self.client.set(self.key, json.dumps(snapshot_of(stats, self.worker_id)), px=self.ttl_ms)
+        except redis.RedisError as e:
+            if self._ok:
+                logger.warning("worker %s: cannot write stats to Redis: %s", self.worker_id, e)
+            self._ok = False
+            return False
+        if not self._ok:
+            logger.info("worker %s: stats reach Redis again", self.worker_id)
+        self._ok = True
+        return True
+
+    def delete(self) -> None:
+        """Drop the snapshot at once (graceful shutdown)."""
+        try:
+            self.client.delete(self.key)
+        except redis.RedisError as e:
+            logger.debug("worker %s: stats delete failed: %s", self.worker_id, e)
+
+
+class ClusterStatsReader:
+    """The live workers' snapshots for the ingress; create and use it on one event loop.
+
+    ``snapshots()`` costs two round trips (registry, then one pipelined ``GET`` per worker), at most once
+    per ``cache_ttl_s``; concurrent callers share one fetch. A fetch slower than ``timeout_s`` or a Redis
+    error gives ``None`` (the caller falls back), logged once until Redis answers again.
+    """
+
+    def __init__(self, url: str, namespace: str = DEFAULT_NAMESPACE, cache_ttl_s: float = 1.0,
+                 timeout_s: float = 0.25) -> None:
+        if cache_ttl_s < 0 or timeout_s <= 0:
+            raise ValueError("cache_ttl_s must be >= 0 and timeout_s > 0")
+        self.url = url
+        self.keys = IndexKeys(namespace)
+        self.namespace = namespace
+        self.cache_ttl_s = cache_ttl_s
+        self.timeout_s = timeout_s
+        self._client: aredis.Redis | None = None
+        self._cached: list[dict[str, Any]] | None = None
+        self._cached_at = -float("inf")
+        self._inflight: asyncio.Task | None = None
+        self._ok = True
+
+    def _redis(self) -> aredis.Redis:
+        if self._client is None:  # created lazily, inside the loop that uses it
+            self._client = aredis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
+                                                 socket_connect_timeout=self.timeout_s)
+        return self._client
+
+    async def _fetch(self) -> list[dict[str, Any]]:
+        client = self._redis()
+        ids = [w.decode() if isinstance(w, bytes) else str(w)
+               for w in await client.zrange(self.keys.registry, 0, -1)]
+        if not ids:
+            return []
+        pipe = client.pipeline(transaction=False)
+        for w in ids:
+            pipe.get(stats_key(self.namespace, w))
+        out: list[dict[str, Any]] = []
+        for w, raw in zip(ids, await pipe.execute(), strict=True):
+            if raw is None:  # expired: the worker is gone or not reporting
+                continue
+            try:
+                snap = json.loads(raw)
+            except ValueError:
+                logger.debug("bad stats snapshot for worker %s", w)
+                continue
+            if isinstance(snap, dict):
+                snap["worker_id"] = w
+                out.append(snap)
+        return out
+
+    async def _refresh(self) -> list[dict[str, Any]] | None:
+        try:
+            snaps = await asyncio.wait_for(self._fetch(), self.timeout_s)
+        except (TimeoutError, redis.RedisError, OSError) as e:
+            if self._ok:
+                logger.warning("cluster stats unavailable from Redis (%s); /metrics shows the ingress only",
+                               e or type(e).__name__)
+            self._ok = False
+            self._cached, self._cached_at = None, time.monotonic()
+            return None
+        if not self._ok:
+            logger.info("cluster stats available from Redis again")
+        self._ok = True
+        self._cached, self._cached_at = snaps, time.monotonic()
+        return snaps
+
+    async def snapshots(self) -> list[dict[str, Any]] | None:
+        """The live workers' snapshots (cached), or None when Redis did not answer in time."""
+        if time.monotonic() - self._cached_at < self.cache_ttl_s:
+            return self._cached
+        if self._inflight is None or self._inflight.done():
+            self._inflight = asyncio.get_running_loop().create_task(self._refresh())
+        return await asyncio.shield(self._inflight)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

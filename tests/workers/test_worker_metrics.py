@@ -1,0 +1,81 @@
+"""Per-worker metrics from engine stats, and the worker's stats snapshot in a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import redis
+
+from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.cluster.stats import stats_key
+from chunkserve.workers.deployment import WorkerServer
+from chunkserve.workers.protocol import GenerateRequest
+from chunkserve.workers.sampling import SamplingParams
+from chunkserve.workers.worker_metrics import WorkerMetrics
+
+
+def test_counters_add_the_growth_of_cumulative_stats() -> None:
+    m = WorkerMetrics("w1", enable_ray=False)
+    m.update({"prompt_tokens_total": 100, "prefix_cached_tokens": 0, "num_preemptions": 0,
+              "kv_cache_usage_perc": 0.5, "kv_chunks_total": 64})
+    m.update({"prompt_tokens_total": 180, "prefix_cached_tokens": 64, "num_preemptions": 1,
+              "kv_cache_usage_perc": 0.25, "kv_chunks_total": 64})
+    assert m.totals == {"prefix_cache_queries": 180.0, "prefix_cache_hits": 64.0, "num_preemptions": 1.0}
+    assert m.gauges["kv_cache_usage_perc"] == 0.25 and m.gauges["kv_chunks_total"] == 64.0
+    m.update({"prompt_tokens_total": 30, "prefix_cached_tokens": 64})  # a new engine restarts its counters
+    assert m.totals["prefix_cache_queries"] == 210.0 and m.totals["prefix_cache_hits"] == 64.0
+    assert not m.ray_enabled
+
+
+def test_worker_reports_metrics_and_writes_its_snapshot() -> None:
+    prompt = tuple((5 * i + 1) % 200 + 1 for i in range(48))  # 3 full chunks of 16
+
+    async def run(url: str) -> tuple[WorkerServer, dict]:
+        server = WorkerServer({"model": "random:tiny", "chunk_size": 16, "num_kv_chunks": 32,
+                               "max_model_len": 128}, "w-test", redis_url=url, enable_ray_metrics=False)
+        try:
+            for i in range(2):
+                req = GenerateRequest(request_id=f"r{i}", prompt_token_ids=prompt,
+                                      sampling=SamplingParams(max_tokens=2, temperature=0.0))
+                async for _ in server.generate(req):
+                    pass
+            await asyncio.sleep(0.3)  # the engine thread refreshes its stats snapshot
+            st = await server.report_stats()
+            return server, st
+        finally:
+            server.shutdown()
+
+    with RedisServer() as srv:
+        client = redis.Redis.from_url(srv.url)
+        key = stats_key("chunkserve", "w-test")
+        server, st = asyncio.run(run(srv.url))
+        assert client.get(key) is None  # a graceful shutdown drops the snapshot at once
+    assert st["prompt_tokens_total"] == 96 and st["prefix_cached_tokens"] >= 32
+    assert server.metrics.totals["prefix_cache_queries"] == 96
+    assert server.metrics.totals["prefix_cache_hits"] == st["prefix_cached_tokens"]
+    assert server.metrics.gauges["kv_chunks_total"] == 32
+
+
+def test_worker_snapshot_is_in_redis_while_it_runs() -> None:
+    key = stats_key("chunkserve", "w-live")
+
+    async def run(url: str, client: redis.Redis) -> tuple[dict, int]:
+        server = WorkerServer({"model": "random:tiny", "chunk_size": 16, "num_kv_chunks": 16,
+                               "max_model_len": 128}, "w-live", redis_url=url, enable_ray_metrics=False)
+        try:
+            server.start_publishing()  # no request yet: the loop reports from the start
+            for _ in range(40):
+                raw = await asyncio.to_thread(client.get, key)
+                if raw is not None:
+                    return json.loads(raw), await asyncio.to_thread(client.pttl, key)
+                await asyncio.sleep(0.1)
+            return {}, -2
+        finally:
+            server.shutdown()
+
+    with RedisServer() as srv:
+        snap, ttl_ms = asyncio.run(run(srv.url, redis.Redis.from_url(srv.url)))
+    assert snap["worker_id"] == "w-live" and snap["kv_chunks_total"] == 16
+    assert snap["kv_cache_usage_perc"] == 0.0
+    assert 0 < ttl_ms <= 5000  # the snapshot expires by itself if the worker dies

@@ -1,0 +1,125 @@
+"""Per-worker metrics through Ray Serve metrics (exported by Ray's Prometheus endpoint).
+
+``WorkerMetrics.update(engine.stats())`` sets the gauges and adds the growth of the engine's cumulative
+counters since the previous update. Inside a Serve replica Ray tags every series with ``deployment``,
+``replica`` and ``application``; we add ``worker_id`` (the replica's unique id, as in the prefix index).
+Exported names (Ray prefixes ``ray_`` and suffixes counters with ``_total``)::
+
+    ray_chunkserve_worker_prefix_cache_queries_total   prompt tokens looked up in the prefix cache
+    ray_chunkserve_worker_prefix_cache_hits_total      prompt tokens served from it
+    ray_chunkserve_worker_num_preemptions_total        requests preempted (pool full)
+    ray_chunkserve_worker_kv_cache_usage_perc          fraction of KV chunks in use (1 = full)
+    ray_chunkserve_worker_kv_chunks_used / _cached / _total
+    ray_chunkserve_worker_num_requests_running / _waiting
+
+Without Ray (workers/ must run without it) only the local tallies (``totals``, ``gauges``) are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "chunkserve_worker_"
+# counter name -> cumulative engine-stats field
+COUNTERS: dict[str, str] = {
+    "prefix_cache_queries": "prompt_tokens_total",
+    "prefix_cache_hits": "prefix_cached_tokens",
+    "num_preemptions": "num_preemptions",
+}
+# gauge name -> engine-stats field
+GAUGES: dict[str, str] = {
+    "kv_cache_usage_perc": "kv_cache_usage_perc",
+    "kv_chunks_used": "kv_chunks_used",
+    "kv_chunks_cached": "kv_chunks_cached",
+    "kv_chunks_total": "kv_chunks_total",
+    "num_requests_running": "num_requests_running",
+    "num_requests_waiting": "num_requests_waiting",
+}
+DESCRIPTIONS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the worker's prefix cache.",
+    "prefix_cache_hits": "Prompt tokens served from the worker's prefix cache.",
+    "num_preemptions": "Requests preempted because the KV pool was full.",
+    "kv_cache_usage_perc": "Fraction of the worker's KV chunks in use (1 = full).",
+    "kv_chunks_used": "KV chunks referenced by live sequences.",
+    "kv_chunks_cached": "KV chunks kept only as prefix cache (evictable).",
+    "kv_chunks_total": "KV chunks in the worker's pool.",
+    "num_requests_running": "Requests the worker is running.",
+    "num_requests_waiting": "Requests queued in the worker's scheduler.",
+}
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+class WorkerMetrics:
+    """One worker replica's Ray Serve counters and gauges, fed from engine stats snapshots."""
+
+    def __init__(self, worker_id: str, enable_ray: bool = True) -> None:
+        self.worker_id = worker_id
+        self.tags = {"worker_id": worker_id}
+        self.totals: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)  # what the counters have been given
+        self.gauges: dict[str, float] = {}
+        self._seen: dict[str, float] = {}  # last cumulative value per stats field
+        self._ray: dict[str, Any] = {}
+        if enable_ray:
+            self._ray = _ray_metrics()
+
+    @property
+    def ray_enabled(self) -> bool:
+        return bool(self._ray)
+
+    def update(self, stats: Mapping[str, Any]) -> None:
+        """Record one engine ``stats()`` snapshot (never raises on exporter errors)."""
+        for name, field in COUNTERS.items():
+            v = _num(stats.get(field))
+            if v is None:
+                continue
+            prev = self._seen.get(field, 0.0)
+            delta = v - prev if v >= prev else v  # a reset (new engine) restarts from its value
+            self._seen[field] = v
+            if delta > 0:
+                self.totals[name] += delta
+                self._record(name, delta, counter=True)
+        for name, field in GAUGES.items():
+            v = _num(stats.get(field))
+            if v is not None:
+                self.gauges[name] = v
+                self._record(name, v, counter=False)
+
+    def _record(self, name: str, value: float, counter: bool) -> None:
+        m = self._ray.get(name)
+        if m is None:
+            return
+        try:
+            if counter:
+                m.inc(value, tags=self.tags)
+            else:
+                m.set(value, tags=self.tags)
+        except Exception as e:  # pragma: no cover - exporter hiccups must not fail the worker
+            logger.debug("worker metric %s update failed: %s", name, e)
+
+
+def _ray_metrics() -> dict[str, Any]:
+    """The Ray Serve metric objects, or {} when Ray is not importable or not connected."""
+    try:
+        import ray
+        from ray.serve import metrics
+    except ImportError:
+        return {}
+    if not ray.is_initialized():
+        return {}
+    try:
+        out: dict[str, Any] = {}
+        for name in COUNTERS:
+            out[name] = metrics.Counter(PREFIX + name, description=DESCRIPTIONS[name], tag_keys=("worker_id",))
+        for name in GAUGES:
+            out[name] = metrics.Gauge(PREFIX + name, description=DESCRIPTIONS[name], tag_keys=("worker_id",))
+        return out
+    except Exception as e:  # metrics must never break serving
+        logger.warning("worker metrics disabled: %s", e)
+        return {}
