@@ -195,6 +195,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--kv-sets", type=int, default=None, help="KV copies rotated per timing (default 4 on cuda)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--copy-mib", type=int, default=256, help="buffer size of the bandwidth probe")
+    p.add_argument("--matmul-n", type=int, default=2048, help="square GEMM size of the matmul-rate probe")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -221,7 +223,7 @@ def main(argv: list[str]) -> int:
     timer = Timer(device, use_graphs=args.backend == "triton")  # the torch path syncs (host loops)
     # machine rates are measured before, between and after the groups; the best of them is kept
     # (a roofline must be a lower bound, and other processes may share this machine)
-    rates = [measure_machine(device, DTYPES[args.dtype], timer)]
+    rates = [measure_machine(device, DTYPES[args.dtype], timer, args.copy_mib, args.matmul_n)]
     configs = QUICK if args.quick else FULL
     raw: list[dict[str, float]] = []
     for n_p in sorted({n for n, _ in configs}):
@@ -229,7 +231,7 @@ def main(argv: list[str]) -> int:
         raw += run_group(group, args, timer, gen)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        rates.append(measure_machine(device, DTYPES[args.dtype], timer))
+        rates.append(measure_machine(device, DTYPES[args.dtype], timer, args.copy_mib, args.matmul_n))
     machine = Machine(copy_bw=max(m.copy_bw for m in rates), matmul_flops=max(m.matmul_flops for m in rates),
                       device=str(device))
     rows = [finish_row(r, args, machine) for r in raw]

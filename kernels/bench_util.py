@@ -81,8 +81,8 @@ def median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def _copy_bw(device: torch.device, timer: Timer) -> float:
-    n = (256 << 20) // 4
+def _copy_bw(device: torch.device, timer: Timer, mib: int) -> float:
+    n = (mib << 20) // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     copy = timer.prepare([lambda: dst.copy_(src)])
@@ -90,8 +90,7 @@ def _copy_bw(device: torch.device, timer: Timer) -> float:
     return 2 * src.numel() * 4 / min(timer.once(copy) for _ in range(5))
 
 
-def _matmul_rate(device: torch.device, dtype: torch.dtype, timer: Timer) -> float:
-    m = 2048
+def _matmul_rate(device: torch.device, dtype: torch.dtype, timer: Timer, m: int) -> float:
     a = torch.randn(m, m, device=device).to(dtype)
     b = torch.randn(m, m, device=device).to(dtype)
     c = torch.empty(m, m, device=device, dtype=dtype)
@@ -101,12 +100,13 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, timer: Timer) -> floa
     return 2 * m**3 / min(timer.once(mm, inner) for _ in range(5))
 
 
-def measure_machine(device: torch.device, dtype: torch.dtype, timer: Timer) -> Machine:
-    """Copy bandwidth (256 MiB buffers) and matmul rate (2048^2 GEMM in the compute dtype; the CPU
-    kernels compute in fp32 whatever the storage dtype)."""
+def measure_machine(device: torch.device, dtype: torch.dtype, timer: Timer, copy_mib: int = 256,
+                    matmul_n: int = 2048) -> Machine:
+    """Copy bandwidth (``copy_mib`` MiB buffers) and matmul rate (square GEMM of size ``matmul_n``
+    in the compute dtype; the CPU kernels compute in fp32 whatever the storage dtype)."""
     mm_dtype = dtype if device.type == "cuda" else torch.float32
-    return Machine(copy_bw=_copy_bw(device, timer), matmul_flops=_matmul_rate(device, mm_dtype, timer),
-                   device=str(device))
+    return Machine(copy_bw=_copy_bw(device, timer, copy_mib),
+                   matmul_flops=_matmul_rate(device, mm_dtype, timer, matmul_n), device=str(device))
 
 
 def kv_bytes(tokens: int, hkv: int, d: int, elem: int) -> int:

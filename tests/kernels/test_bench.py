@@ -9,7 +9,7 @@ from chunkserve.kernels.bench import main
 
 def test_quick_bench_writes_table_with_consistent_outputs(tmp_path, capsys):
     rc = main(["--quick", "--batch", "2", "--heads", "2", "--head-dim", "64", "--repeats", "1", "--warmup", "0",
-               "--out", str(tmp_path)])
+               "--copy-mib", "16", "--matmul-n", "256", "--out", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "kernel_cpu_torch_fp32_quick.json").read_text())
     rows = {(r["n_p"], r["n_s"]): r for r in data["rows"]}
