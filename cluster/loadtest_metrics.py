@@ -1,0 +1,214 @@
+"""What `chunkserve loadtest` samples while locust runs: the ingress's /metrics, the workers' engine
+stats and the resident memory of the worker processes.
+
+``MetricsSampler`` runs in a daemon thread and keeps one ``Sample`` per interval. Worker stats come from
+the per-worker series of /metrics (``chunkserve:worker_*{worker_id}``) when the server exports them,
+else (a cluster this process started) from each Serve replica's ``record_routing_stats`` (the worker deployment returns its engine's
+``kv_cache_usage_perc``, ``kv_chunks_cached`` and queue lengths there); worker RSS from psutil, for the
+``ray::ServeReplica:<app>:Worker`` processes under this process (a local cluster we started).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# /metrics series summed over their labels (tenants) -> short names in a Sample
+_COUNTERS = {
+    "chunkserve:prefix_cache_hits_total": "cache_hits",
+    "chunkserve:prefix_cache_queries_total": "cache_queries",
+    "chunkserve:generation_tokens_total": "generation_tokens",
+    "chunkserve:prompt_tokens_total": "prompt_tokens",
+    "chunkserve:request_success_total": "requests_done",
+    "chunkserve:request_errors_total": "request_errors",
+    "chunkserve:num_requests_running": "running",
+    "chunkserve:num_requests_waiting": "waiting",
+}
+_KV_GAUGE = "chunkserve:kv_cache_usage_perc"
+
+
+@dataclass
+class Sample:
+    """One sampling tick (``t``: seconds since the sampler started)."""
+
+    t: float
+    ok: bool = True  # /metrics answered
+    cache_hits: float = 0.0
+    cache_queries: float = 0.0
+    generation_tokens: float = 0.0
+    prompt_tokens: float = 0.0
+    requests_done: float = 0.0
+    request_errors: float = 0.0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float | None = None  # the ingress gauge (None when the server does not set it)
+    workers: dict[str, dict[str, float]] = field(default_factory=dict)  # worker -> kv_usage, cached, ...
+    rss_mb: dict[str, float] = field(default_factory=dict)  # worker pid -> resident MiB
+
+    @property
+    def kv_usage_workers(self) -> float | None:
+        """Mean KV usage over the workers (from their engine stats), else the ingress gauge."""
+        vals = [w["kv_usage"] for w in self.workers.values() if "kv_usage" in w]
+        return sum(vals) / len(vals) if vals else self.kv_usage
+
+
+# per-worker series of /metrics (``chunkserve:worker_<name>{worker_id=...}``, when the server exports them)
+_WORKER_SERIES = {
+    "chunkserve:worker_kv_cache_usage_perc": "kv_usage",
+    "chunkserve:worker_kv_chunks_used": "kv_chunks_used",
+    "chunkserve:worker_kv_chunks_cached": "kv_chunks_cached",
+    "chunkserve:worker_kv_chunks_total": "kv_chunks_total",
+    "chunkserve:worker_num_requests_running": "running",
+    "chunkserve:worker_num_requests_waiting": "waiting",
+}
+
+
+def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(chunkserve series summed over their labels, per-worker series by worker id) of a Prometheus
+    text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    workers: dict[str, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in _COUNTERS:
+                key = _COUNTERS[s.name]
+                out[key] = out.get(key, 0.0) + float(s.value)
+            elif s.name == _KV_GAUGE:
+                out["kv_usage"] = max(out.get("kv_usage", 0.0), float(s.value))
+            elif s.name in _WORKER_SERIES and "worker_id" in s.labels:
+                workers.setdefault(s.labels["worker_id"], {})[_WORKER_SERIES[s.name]] = float(s.value)
+    return out, workers
+
+
+def scrape(base_url: str, timeout: float = 5.0) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout) as resp:
+        return parse_metrics(resp.read().decode("utf-8", "replace"))
+
+
+class RayWorkers:
+    """The worker replicas of a Serve app in the Ray cluster this process is connected to."""
+
+    def __init__(self, app_name: str = "chunkserve", deployment: str = "Worker") -> None:
+        self.app_name = app_name
+        self.deployment = deployment
+        self._handles: dict[str, Any] = {}
+
+    def refresh(self) -> None:
+        import ray
+
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == "serve" and f"{self.app_name}#{self.deployment}#" in a["name"]]
+        self._handles = {n.rsplit("#", 1)[-1]: ray.get_actor(n, namespace="serve") for n in names}
+
+    def stats(self, timeout: float = 5.0) -> dict[str, dict[str, float]]:
+        """replica id -> kv_usage, kv_chunks_cached, running, waiting (replicas that answered in time)."""
+        import ray
+
+        if not self._handles:
+            self.refresh()
+        refs = {rid: h.record_routing_stats.remote() for rid, h in self._handles.items()}
+        out: dict[str, dict[str, float]] = {}
+        for rid, ref in refs.items():
+            try:
+                st = ray.get(ref, timeout=timeout)
+            except Exception as e:  # a replica restarting or busy: skip it this tick
+                logger.debug("worker %s stats: %s", rid, e)
+                self._handles.clear()
+                continue
+            out[rid] = {"kv_usage": float(st.get("kv_cache_usage_perc", 0.0)),
+                        "kv_chunks_cached": float(st.get("kv_chunks_cached", 0)),
+                        "running": float(st.get("num_running", 0)), "waiting": float(st.get("num_waiting", 0))}
+        return out
+
+
+def worker_rss_mb(app_name: str = "chunkserve", deployment: str = "Worker") -> dict[str, float]:
+    """Resident MiB of the worker replica processes under this process (by pid)."""
+    import psutil
+
+    title = f"ServeReplica:{app_name}:{deployment}"
+    out: dict[str, float] = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            if title in cmd:
+                out[str(p.pid)] = p.memory_info().rss / 2**20
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+class MetricsSampler:
+    """Samples every ``interval_s`` in a daemon thread until ``stop()``."""
+
+    def __init__(self, base_url: str, interval_s: float = 2.0, workers: RayWorkers | None = None,
+                 rss: Callable[[], dict[str, float]] | None = None) -> None:
+        if interval_s <= 0:
+            raise ValueError("interval_s must be > 0")
+        self.base_url = base_url
+        self.interval_s = interval_s
+        self.workers = workers
+        self.rss = rss
+        self.samples: list[Sample] = []
+        self._t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="loadtest-sampler", daemon=True)
+
+    def start(self) -> MetricsSampler:
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def sample(self) -> Sample:
+        """Takes one sample now (also used directly around the run)."""
+        s = Sample(t=self.now())
+        try:
+            vals, s.workers = scrape(self.base_url)
+            for k, v in vals.items():
+                setattr(s, k, v)
+        except Exception as e:
+            s.ok = False
+            logger.debug("scrape failed: %s", e)
+        if self.workers is not None and not s.workers:  # the server does not export worker series
+            try:
+                s.workers = self.workers.stats()
+            except Exception as e:
+                logger.debug("worker stats failed: %s", e)
+        if self.rss is not None:
+            try:
+                s.rss_mb = self.rss()
+            except Exception as e:
+                logger.debug("rss failed: %s", e)
+        with self._lock:
+            self.samples.append(s)
+        return s
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            self.sample()
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t)))
+
+    def stop(self) -> list[Sample]:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        with self._lock:
+            return list(self.samples)
+
+
+def samples_to_rows(samples: list[Sample]) -> list[dict[str, Any]]:
+    """Flat dicts (JSON-friendly) of the samples."""
+    return [{**asdict(s), "kv_usage_workers": s.kv_usage_workers} for s in samples]
