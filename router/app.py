@@ -34,6 +34,11 @@ class AppConfig(BaseModel):
     autoscaling: dict[str, Any] | None = None  # Ray Serve autoscaling_config for the workers
     worker_num_cpus: float = 0.0
     worker_num_gpus: float = 0.0
+    # Custom Ray resources per worker replica, e.g. {"worker_slot": 1} with one slot per node to spread the
+    # workers over nodes, or {"node_a": 1} to pin them (the nodes declare them: `ray start --resources`).
+    worker_resources: dict[str, float] | None = None
+    # Import path of the workers' RequestRouter; None: Ray Serve's default (power of two choices).
+    request_router: str | None = "chunkserve.router.request_router.PrefixAwareRouter"
     ingress_replicas: int = Field(1, ge=1)
     redis_url: str | None = None  # default: $CHUNKSERVE_REDIS_URL
     lease_ttl_s: float = 5.0
@@ -93,6 +98,8 @@ def build_app(cfg: AppConfig) -> Any:
     actor_opts: dict[str, Any] = {"num_cpus": cfg.worker_num_cpus}
     if cfg.worker_num_gpus:
         actor_opts["num_gpus"] = cfg.worker_num_gpus
+    if cfg.worker_resources:
+        actor_opts["resources"] = dict(cfg.worker_resources)
     engine = dict(cfg.engine)
     if cfg.model is not None:
         engine.setdefault("model", cfg.model)
@@ -100,7 +107,8 @@ def build_app(cfg: AppConfig) -> Any:
         engine.setdefault("device", "cuda")
     worker_cls = build_worker_deployment(num_replicas=cfg.workers, ray_actor_options=actor_opts,
                                          router_kwargs=router_kwargs, autoscaling_config=cfg.autoscaling,
-                                         max_ongoing_requests=cfg.max_ongoing_requests)
+                                         max_ongoing_requests=cfg.max_ongoing_requests,
+                                         request_router_class=cfg.request_router)
     worker = worker_cls.bind(engine, redis_url, cfg.lease_ttl_s)
     ingress_cls = serve.deployment(name="Ingress", num_replicas=cfg.ingress_replicas, max_ongoing_requests=2048,
                                    ray_actor_options={"num_cpus": 0})(serve.ingress()(ServeIngress))
@@ -110,7 +118,7 @@ def build_app(cfg: AppConfig) -> Any:
 def app_builder(args: dict[str, Any]) -> Any:
     """`serve run` / `serve deploy` entry point: ``args`` are `AppConfig` fields."""
     args = dict(args or {})
-    for key in ("engine", "router", "autoscaling"):
+    for key in ("engine", "router", "autoscaling", "worker_resources"):
         if isinstance(args.get(key), str):
             args[key] = json.loads(args[key])
     return build_app(AppConfig(**args))

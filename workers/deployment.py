@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 0.05
 STATS_INTERVAL_S = 1.0
+PREFIX_ROUTER = "chunkserve.router.request_router.PrefixAwareRouter"
 
 
 class WorkerServer:
@@ -113,17 +114,19 @@ def build_worker_deployment(name: str = "Worker", num_replicas: int | str = 1,
                             ray_actor_options: dict[str, Any] | None = None,
                             router_kwargs: dict[str, Any] | None = None,
                             autoscaling_config: dict[str, Any] | None = None,
-                            max_ongoing_requests: int = 64) -> Any:
-    """A Serve deployment class for the worker, routed by `PrefixAwareRouter`."""
+                            max_ongoing_requests: int = 64,
+                            request_router_class: str | None = PREFIX_ROUTER) -> Any:
+    """A Serve deployment class for the worker, routed by ``request_router_class`` (an import path;
+    default `PrefixAwareRouter`; ``None``: Ray Serve's default power-of-two-choices router, no kwargs)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    router_cfg = RequestRouterConfig(request_router_class="chunkserve.router.request_router.PrefixAwareRouter",
-                                     request_router_kwargs=router_kwargs or {},
-                                     request_routing_stats_period_s=1.0)
-    opts: dict[str, Any] = {"name": name, "request_router_config": router_cfg,
-                            "max_ongoing_requests": max_ongoing_requests,
+    opts: dict[str, Any] = {"name": name, "max_ongoing_requests": max_ongoing_requests,
                             "ray_actor_options": ray_actor_options or {"num_cpus": 0}}
+    if request_router_class is not None:
+        opts["request_router_config"] = RequestRouterConfig(request_router_class=request_router_class,
+                                                            request_router_kwargs=router_kwargs or {},
+                                                            request_routing_stats_period_s=1.0)
     if autoscaling_config:
         opts["autoscaling_config"] = autoscaling_config
     else:
@@ -149,7 +152,9 @@ def build_worker_deployment(name: str = "Worker", num_replicas: int | str = 1,
             return self.server.routing_stats()
 
         async def stats(self) -> dict[str, Any]:
-            return self.server.stats()
+            import ray
+
+            return {**self.server.stats(), "node_id": ray.get_runtime_context().get_node_id()}
 
         def __del__(self) -> None:
             with contextlib.suppress(Exception):
