@@ -94,7 +94,8 @@ def run_group(configs: list[tuple[int, int]], args: argparse.Namespace, timer: T
     for ci, (n_p, n_s) in enumerate(configs):
         res.append({"n_p": n_p, "n_s": n_s, "naive_us": dense["naive"], "sdpa_us": dense["sdpa"],
                     "paged_us": median_us(samples[(ci, "paged")]), "tpp_us": median_us(samples[(ci, "tpp")]),
-                    **info[ci]})
+                    "paged_min_us": min(samples[(ci, "paged")]) * 1e6, "tpp_min_us": min(samples[(ci, "tpp")]) * 1e6,
+                    "naive_min_us": dense["naive_min"], "sdpa_min_us": dense["sdpa_min"], **info[ci]})
     return res
 
 
@@ -124,7 +125,8 @@ def time_dense(n_p: int, args: argparse.Namespace, timer: Timer, gen: torch.Gene
             t = timer.once(fns, args.inner)
             if rep >= args.warmup:
                 samples[name].append(t)
-    return {name: median_us(s) for name, s in samples.items()}
+    res = {name: median_us(s) for name, s in samples.items()}
+    return res | {f"{name}_min": min(s) * 1e6 for name, s in samples.items()}
 
 
 def finish_row(row: dict[str, float], args: argparse.Namespace, machine: Machine) -> dict[str, float]:
@@ -150,8 +152,16 @@ def format_table(rows: list[dict[str, float]], machine: Machine, args: argparse.
                      f"{r['tpp_us']:>9.0f} | {r['speedup']:>8.2f}x | {r['tpp_bytes'] / 1e6:>7.1f} "
                      f"{r['paged_bytes'] / 1e6:>8.1f} {r['tpp_roofline_us']:>8.0f} {r['tpp_efficiency']:>6.0%}")
     lines.append(f"machine: copy {machine.copy_bw / 1e9:.1f} GB/s (read+write), matmul "
-                 f"{machine.matmul_flops / 1e9:.0f} GFLOP/s, threads={torch.get_num_threads()}")
+                 f"{machine.matmul_flops / 1e9:.0f} GFLOP/s, threads={torch.get_num_threads()}, "
+                 f"load average at the end {_loadavg()}")
     return "\n".join(lines)
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in __import__("os").getloadavg())
+    except OSError:
+        return "n/a"
 
 
 def plot(rows: list[dict[str, float]], path: Path) -> bool:
