@@ -15,6 +15,7 @@ import argparse
 import datetime as dt
 import gc
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -159,7 +160,7 @@ def format_table(rows: list[dict[str, float]], machine: Machine, args: argparse.
 
 def _loadavg() -> str:
     try:
-        return " ".join(f"{x:.1f}" for x in __import__("os").getloadavg())
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
     except OSError:
         return "n/a"
 
