@@ -92,30 +92,35 @@ class WorkerStatsWriter:
 class ClusterStatsReader:
     """The live workers' snapshots for the ingress; create and use it on one event loop.
 
-    ``snapshots()`` costs two round trips (registry, then one pipelined ``GET`` per worker), at most once
-    per ``cache_ttl_s``; concurrent callers share one fetch. A fetch slower than ``timeout_s`` or a Redis
-    error gives ``None`` (the caller falls back), logged once until Redis answers again.
+    A fetch is two round trips (registry, then one pipelined ``GET`` per worker), at most once per
+    ``cache_ttl_s``; concurrent callers share it. A caller waits at most ``timeout_s``: a slower fetch
+    keeps running in the background (bounded by the socket timeout) for the next caller, and this one gets
+    the previous result if it is younger than ``stale_s``, else None. A Redis error gives None, logged
+    once until Redis answers again.
     """
 
     def __init__(self, url: str, namespace: str = DEFAULT_NAMESPACE, cache_ttl_s: float = 1.0,
-                 timeout_s: float = 0.25) -> None:
-        if cache_ttl_s < 0 or timeout_s <= 0:
-            raise ValueError("cache_ttl_s must be >= 0 and timeout_s > 0")
+                 timeout_s: float = 0.5, stale_s: float = 10.0, socket_timeout_s: float = 2.0) -> None:
+        if cache_ttl_s < 0 or timeout_s <= 0 or stale_s < 0 or socket_timeout_s <= 0:
+            raise ValueError("cache_ttl_s and stale_s must be >= 0, timeout_s and socket_timeout_s > 0")
         self.url = url
         self.keys = IndexKeys(namespace)
         self.namespace = namespace
         self.cache_ttl_s = cache_ttl_s
         self.timeout_s = timeout_s
+        self.stale_s = stale_s
+        self.socket_timeout_s = socket_timeout_s
         self._client: aredis.Redis | None = None
-        self._cached: list[dict[str, Any]] | None = None
-        self._cached_at = -float("inf")
+        self._last: list[dict[str, Any]] | None = None  # result of the last finished fetch (None: failed)
+        self._last_at = -float("inf")
+        self._good_at = -float("inf")  # when a fetch last succeeded
         self._inflight: asyncio.Task | None = None
         self._ok = True
 
     def _redis(self) -> aredis.Redis:
         if self._client is None:  # created lazily, inside the loop that uses it
-            self._client = aredis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
-                                                 socket_connect_timeout=self.timeout_s)
+            self._client = aredis.Redis.from_url(self.url, socket_timeout=self.socket_timeout_s,
+                                                 socket_connect_timeout=self.socket_timeout_s)
         return self._client
 
     async def _fetch(self) -> list[dict[str, Any]]:
@@ -143,27 +148,33 @@ class ClusterStatsReader:
 
     async def _refresh(self) -> list[dict[str, Any]] | None:
         try:
-            snaps = await asyncio.wait_for(self._fetch(), self.timeout_s)
+            snaps: list[dict[str, Any]] | None = await self._fetch()
         except (TimeoutError, redis.RedisError, OSError) as e:
             if self._ok:
                 logger.warning("cluster stats unavailable from Redis (%s); /metrics shows the ingress only",
                                e or type(e).__name__)
             self._ok = False
-            self._cached, self._cached_at = None, time.monotonic()
-            return None
-        if not self._ok:
-            logger.info("cluster stats available from Redis again")
-        self._ok = True
-        self._cached, self._cached_at = snaps, time.monotonic()
+            snaps = None
+        else:
+            if not self._ok:
+                logger.info("cluster stats available from Redis again")
+            self._ok = True
+            self._good_at = time.monotonic()
+        self._last, self._last_at = snaps, time.monotonic()
         return snaps
 
     async def snapshots(self) -> list[dict[str, Any]] | None:
-        """The live workers' snapshots (cached), or None when Redis did not answer in time."""
-        if time.monotonic() - self._cached_at < self.cache_ttl_s:
-            return self._cached
+        """The live workers' snapshots (cached), or None when Redis did not answer."""
+        if time.monotonic() - self._last_at < self.cache_ttl_s:
+            return self._last
         if self._inflight is None or self._inflight.done():
             self._inflight = asyncio.get_running_loop().create_task(self._refresh())
-        return await asyncio.shield(self._inflight)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._inflight), self.timeout_s)
+        except TimeoutError:  # slow Redis: answer now, the fetch finishes for the next caller
+            if self._last is not None and time.monotonic() - self._good_at < self.stale_s:
+                return self._last
+            return None
 
     async def aclose(self) -> None:
         if self._client is not None:

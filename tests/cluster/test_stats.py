@@ -71,6 +71,32 @@ def test_reader_caches_between_refreshes(redis_server: RedisServer, namespace: s
     assert c[0]["kv_chunks_used"] == 60
 
 
+def test_slow_redis_gets_the_previous_snapshots_without_waiting(redis_server: RedisServer,
+                                                                namespace: str) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    client.zadd(IndexKeys(namespace).registry, {"w1": now_ms()})
+    writer = WorkerStatsWriter(client, "w1", namespace)
+    writer.write(STATS)
+
+    async def read() -> tuple[list, list, float, list]:
+        reader = ClusterStatsReader(redis_server.url, namespace, cache_ttl_s=0.0, timeout_s=0.2)
+        first = await reader.snapshots()
+        await asyncio.to_thread(writer.write, {**STATS, "kv_chunks_used": 60})
+        await asyncio.to_thread(client.client_pause, 800)  # the server answers nobody for 0.8 s
+        t0 = time.monotonic()
+        during = await reader.snapshots()
+        took = time.monotonic() - t0
+        await asyncio.sleep(1.0)
+        after = await reader.snapshots()
+        await reader.aclose()
+        return first, during, took, after
+
+    first, during, took, after = asyncio.run(read())
+    assert first[0]["kv_chunks_used"] == 16
+    assert during == first and took < 0.6  # the previous result, within the time budget
+    assert after[0]["kv_chunks_used"] == 60  # the background fetch (or a new one) caught up
+
+
 def test_reader_gives_none_quickly_without_redis() -> None:
     with RedisServer() as srv:
         url = srv.url  # a port nobody listens on once the server has stopped
@@ -101,3 +127,34 @@ def test_server_metrics_render_each_worker_and_the_cluster_usage() -> None:
     text = m.render().decode()
     assert 'chunkserve:cluster_stats_up{model_name="tiny"} 0.0' in text
     assert "chunkserve:kv_cache_usage_perc{" not in text and "worker_id=" not in text
+
+
+def _ingress(reader: ClusterStatsReader | None) -> object:
+    from chunkserve.router.ingress import Ingress, IngressConfig
+    from chunkserve.router.tenants import TenantRegistry
+
+    return Ingress(object(), None, TenantRegistry(None), IngressConfig("tiny", 128, 16, vocab_size=100),
+                   cluster_stats=reader)
+
+
+def test_ingress_metrics_show_the_workers_from_redis(redis_server: RedisServer, namespace: str) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    client.zadd(IndexKeys(namespace).registry, {"w1": now_ms()})
+    WorkerStatsWriter(client, "w1", namespace).write(STATS)
+    ingress = _ingress(ClusterStatsReader(redis_server.url, namespace, timeout_s=5.0))
+    asyncio.run(ingress.refresh_metrics())
+    text = ingress.metrics.render().decode()
+    assert 'chunkserve:worker_prefix_cache_hits_total{model_name="tiny",worker_id="w1"} 256.0' in text
+    assert 'chunkserve:kv_cache_usage_perc{model_name="tiny"} 0.25' in text
+
+
+def test_ingress_metrics_fall_back_when_redis_is_down() -> None:
+    with RedisServer() as srv:
+        url = srv.url
+    ingress = _ingress(ClusterStatsReader(url, timeout_s=0.2))
+    t0 = time.monotonic()
+    asyncio.run(ingress.refresh_metrics())
+    assert time.monotonic() - t0 < 1.0
+    text = ingress.metrics.render().decode()
+    assert 'chunkserve:cluster_stats_up{model_name="tiny"} 0.0' in text
+    assert "chunkserve:prefix_cache_hits" in text  # the ingress's own metrics still render
