@@ -1,0 +1,216 @@
+"""Prefix-aware routing of the real application (``router.app.build_app``) under real Ray Serve and Redis.
+
+Two ``random:tiny`` worker replicas behind the HTTP ingress, four tenants (private cache scopes) with
+distinct 512-token system prompts. Each worker's KV pool holds two system prompts but not three, so where a
+tenant's requests land decides the cache hit rate: the prefix-aware router keeps each tenant on the worker
+holding its prefix; a round-robin router (same app, ``AppConfig.request_router``) spreads every tenant
+over both workers and thrashes their pools. One Ray session and one Redis server serve the whole module.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from chunkserve.client import HTTPClient
+from chunkserve.cluster.hashing import hash_chain
+from chunkserve.cluster.index import PrefixIndex
+from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.router.policy import rendezvous_weight
+from chunkserve.router.tenants import hash_api_key, load_tenants
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-routing"
+CHUNK = 16
+SYS_TOKENS = 512  # 32 full chunks per system prompt
+SUFFIX_TOKENS = 8  # unique user turn: less than a chunk, so only the system prompt is cacheable
+POOL_CHUNKS = 80  # two system prompts (64 chunks) + working room; three (96) do not fit
+TENANTS = [f"t{i}" for i in range(4)]
+SPILL = {"spill_abs": 2, "spill_rel": 1.5}
+# With SPILL, a holder stops taking requests once it runs 2 more (and 1.5x more) than the other replica,
+# and the spilled prefix then lives on both, so a burst of a hot prefix splits nearly evenly. MAX_SHARE is
+# the most one replica may serve of such a burst (completion order makes it drift above one half).
+MAX_SHARE = 0.7
+PA_ROUTER = "chunkserve.router.request_router.PrefixAwareRouter"
+RR_ROUTER = "chunkserve.router.baseline_routers.RoundRobinRouter"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
+    path.write_text(yaml.safe_dump({"tenants": [
+        {"id": t, "api_key_sha256": [hash_api_key(f"sk-{t}")], "cache_scope": "private"} for t in TENANTS]}))
+    # the hash chains below are salted as the ingress salts them: a private scope by the tenant id
+    assert all(load_tenants(path).authenticate_key(f"sk-{t}").cache_salt == t.encode() for t in TENANTS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def http_base(redis_server: RedisServer) -> Iterator[str]:
+    """One Ray session + Serve HTTP proxy for the module."""
+    from ray.serve.config import HTTPOptions
+
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _deploy(name: str, route: str, router: str, redis_url: str, tenants: Path) -> list[str]:
+    """Deploy the app under ``route``; -> its two worker ids (the ids they publish to the index under)."""
+    from chunkserve.router.app import AppConfig, build_app
+
+    cfg = AppConfig(model="random:tiny", model_name=MODEL, workers=2, redis_url=redis_url, tenants=str(tenants),
+                    request_router=router, router={"policy": SPILL, "reader": {"timeout_s": 0.05}},
+                    engine={"chunk_size": CHUNK, "num_kv_chunks": POOL_CHUNKS, "max_model_len": 1024})
+    serve.run(build_app(cfg), name=name, route_prefix=route)
+    return sorted(_worker_stats(name))
+
+
+def _worker_stats(app: str) -> dict[str, dict[str, Any]]:
+    """Engine stats of every worker replica of ``app`` (calls without a chain rotate over idle replicas)."""
+    handle = serve.get_deployment_handle("Worker", app_name=app)
+    out: dict[str, dict[str, Any]] = {}
+    for _ in range(20):
+        st = handle.stats.remote().result(timeout_s=30)
+        out[st["worker_id"]] = st
+        if len(out) == 2:
+            break
+    assert len(out) == 2, f"found workers {sorted(out)}"
+    return out
+
+
+def _system_prompts(workers: list[str]) -> dict[str, list[int]]:
+    """A distinct 512-token system prompt per tenant, drawn so that the rendezvous owners of the four
+    (cold) prefixes split 2/2 over the workers, as in a balanced deployment; pools hold two prompts."""
+    rng = random.Random(11)
+    per_worker: Counter[str] = Counter()
+    prompts: dict[str, list[int]] = {}
+    for t in TENANTS:
+        while True:
+            ids = [rng.randrange(300, 40_000) for _ in range(SYS_TOKENS)]
+            first = hash_chain(ids[:CHUNK], CHUNK, t.encode())[0]  # private scope: salted by the tenant id
+            owner = max(workers, key=lambda w, h=first: rendezvous_weight(h, w))
+            if per_worker[owner] < 2:
+                per_worker[owner] += 1
+                prompts[t] = ids
+                break
+    return prompts
+
+
+def _run(base: str, prompts: dict[str, list[int]], order: list[str], seed: int) -> list[tuple[str, int]]:
+    """Send the requests one by one: -> (tenant, cached prompt tokens) per request."""
+    rng = random.Random(seed)
+    out = []
+    for t in order:
+        client = HTTPClient(base, api_key=f"sk-{t}", model=MODEL, timeout=60)
+        suffix = [rng.randrange(40_001, 49_000) for _ in range(SUFFIX_TOKENS)]
+        resp = client.complete(prompts[t] + suffix, max_tokens=2, temperature=0.0)
+        assert resp["usage"]["prompt_tokens"] == SYS_TOKENS + SUFFIX_TOKENS
+        out.append((t, resp["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    return out
+
+
+def _rate_vs_oracle(results: list[tuple[str, int]]) -> float:
+    """Cached prompt tokens / the oracle's (every request after a tenant's first fully cached)."""
+    seen: set[str] = set()
+    oracle = 0
+    for t, _ in results:
+        oracle += SYS_TOKENS if t in seen else 0
+        seen.add(t)
+    return sum(min(c, SYS_TOKENS) for _, c in results) / oracle
+
+
+def _holders(redis_url: str, chain: list[int], workers: list[str]) -> set[str]:
+    idx = PrefixIndex(redis_url)
+    try:
+        return {w for w, n in idx.longest_prefixes(chain, workers).items() if n == len(chain)}
+    finally:
+        idx.close()
+
+
+@pytest.fixture(scope="module")
+def prefix_app(http_base: str, redis_server: RedisServer, tenants_file: Path) -> tuple[str, list[str]]:
+    return http_base, _deploy("pa", "/", PA_ROUTER, redis_server.url, tenants_file)
+
+
+def test_tenants_stick_to_their_prefix_worker_and_beat_round_robin(
+        prefix_app: tuple[str, list[str]], redis_server: RedisServer, tenants_file: Path) -> None:
+    base, workers = prefix_app
+    prompts = _system_prompts(workers)
+    order = TENANTS + random.Random(5).choices(TENANTS, k=36)  # 40 requests, each tenant first once
+    t0 = time.monotonic()
+    results = _run(base, prompts, order, seed=1)
+    pa_s = time.monotonic() - t0
+    firsts: set[str] = set()
+    for i, (t, cached) in enumerate(results):
+        if t in firsts:  # landed on the worker holding the tenant's prompt
+            assert cached == SYS_TOKENS, f"request {i} of {t} got {cached} cached tokens"
+        firsts.add(t)
+    time.sleep(0.3)  # let the last publish land
+    for t in TENANTS:
+        chain = hash_chain(prompts[t], CHUNK, t.encode())
+        assert len(_holders(redis_server.url, chain, workers)) == 1, f"{t} is cached on both workers"
+    pa_rate = _rate_vs_oracle(results)
+    assert pa_rate >= 0.9
+
+    # The same app and workload with a round-robin router, side by side in the same Ray session.
+    rr_workers = _deploy("rr", "/rr", RR_ROUTER, redis_server.url, tenants_file)
+    try:
+        rr_rate = _rate_vs_oracle(_run(f"{base}/rr", _system_prompts(rr_workers), order, seed=1))
+    finally:
+        serve.delete("rr")
+    print(f"\nhit rate / oracle over 40 requests: prefix-aware {pa_rate:.3f} ({pa_s:.1f} s), "
+          f"round-robin {rr_rate:.3f}")
+    assert rr_rate < 0.75 * pa_rate, (rr_rate, pa_rate)
+
+
+def test_hot_tenant_burst_spills_and_no_replica_takes_more_than_its_share(
+        prefix_app: tuple[str, list[str]], redis_server: RedisServer) -> None:
+    base, workers = prefix_app
+    rng = random.Random(7)
+    prompts = {t: [rng.randrange(300, 40_000) for _ in range(SYS_TOKENS)] for t in TENANTS}
+    hot, cold = TENANTS[0], TENANTS[1:]
+    order = [hot] * 30 + [t for t in cold for _ in range(3)]  # 10x the traffic of each other tenant
+    rng.shuffle(order)
+    before = {w: s["prompt_tokens_total"] for w, s in _worker_stats("pa").items()}
+    _run(base, prompts, [hot], seed=2)  # warm one replica with the hot prefix
+
+    def one(i: int) -> int:
+        return _run(base, prompts, [order[i]], seed=100 + i)[0][1]
+
+    with ThreadPoolExecutor(max_workers=len(order)) as pool:
+        cached = list(pool.map(one, range(len(order))))
+    time.sleep(1.5)  # stats are reported about once a second
+    after = {w: s["prompt_tokens_total"] for w, s in _worker_stats("pa").items()}
+    served = {w: (after[w] - before.get(w, 0)) // (SYS_TOKENS + SUFFIX_TOKENS) for w in after}
+    assert sum(served.values()) == len(order) + 1, served
+    share = max(served.values()) / sum(served.values())
+    chain = hash_chain(prompts[hot], CHUNK, hot.encode())
+    print(f"\nburst of {len(order)} (+1 warm-up): per replica {served}, max share {share:.2f}, "
+          f"cached {sum(cached)} tokens")
+    assert _holders(redis_server.url, chain, workers) == set(workers), "the hot prefix never spilled"
+    assert share <= MAX_SHARE, served
