@@ -8,8 +8,9 @@ paged-torch, i.e. no prefix reuse and no shared attention) a local one-worker cl
 embedded SmolLM2 through the whole stack (HTTP ingress, prefix-aware router, worker). For each
 n_s = n_p = n, one tenant's tool-definition prompt of exactly n tokens is sent by locust users as an
 open-loop Poisson process (``/v1/completions``, streaming, ``max_tokens`` = n_c, temperature 1).
-Rates go up a geometric ladder (``--rate0``, ``--factor``) for ``--per-rate`` seconds each (plus a
-bounded drain); a rate is sustainable when the mean decode latency (TPOT: time per output token after
+Rates go up a geometric ladder (``--rate0``, ``--factor``; down it, at most ``--max-down`` steps,
+while the lowest rate fails) for ``--per-rate`` seconds each (longer for low rates, so that about
+``--min-arrivals`` requests arrive; plus a bounded drain); a rate is sustainable when the mean decode latency (TPOT: time per output token after
 the first, per request, averaged over requests) stays under ``--bound-ms`` and no request failed,
 was dropped or was left open at the drain. After the first unsustainable rate one rate between the
 last good and the first bad one is tried. The result per (system, n) is the highest sustainable rate.
@@ -21,7 +22,9 @@ import argparse
 import json
 import logging
 import math
+import os
 import platform
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -90,11 +93,13 @@ def sweep(ep: Any, system: str, n: int, a: argparse.Namespace, out: Path, deadli
                     drain_timeout_s=a.drain, seed=a.seed)
     warm = LoadSpec(**{**base.__dict__, "users": 1, "duration_s": 1.0, "rate": 0.5, "drain_timeout_s": 120.0})
     run_load(ep, warm, out / f"{_slug(system)}-n{n}-warmup", settle_s=0.5)  # fills the prefix cache (on)
+
     def point(rate: float) -> Point | None:
-        if time.monotonic() + a.per_rate + a.drain + 15 > deadline:
+        dur = min(a.per_rate_max, max(a.per_rate, a.min_arrivals / rate))  # low rates run longer
+        if time.monotonic() + dur + a.drain / 2 > deadline:
             sw.truncated = True
             return None
-        spec = LoadSpec(**{**base.__dict__, "rate": round(rate, 4)})
+        spec = LoadSpec(**{**base.__dict__, "rate": round(rate, 4), "duration_s": dur})
         res = run_load(ep, spec, out / f"{_slug(system)}-n{n}-r{rate:.3f}", settle_s=0.5)
         p = evaluate(res.records, res.samples, rate, max(1e-9, res.load_end_t - res.load_start_t), a.bound_ms)
         sw.points.append(p)
@@ -105,16 +110,22 @@ def sweep(ep: Any, system: str, n: int, a: argparse.Namespace, out: Path, deadli
 
     last_good: float | None = None
     first_bad: float | None = None
-    for i in range(a.max_points):
-        rate = a.rate0 * a.factor**i
+    rate = a.rate0
+    for _ in range(a.max_points):  # up the ladder until a rate fails; down it while the lowest fails
         p = point(rate)
         if p is None:
             return sw
-        if not p.sustainable:
-            first_bad = rate
-            break
-        last_good = rate
-    if last_good is not None and first_bad is not None:
+        if p.sustainable:
+            last_good = max(last_good or 0.0, rate)
+            if first_bad is not None:
+                break
+            rate *= a.factor
+        else:
+            first_bad = rate if first_bad is None else min(first_bad, rate)
+            if last_good is not None or rate < a.rate0 / a.factor**a.max_down * 1.001:
+                break
+            rate /= a.factor
+    if last_good is not None and first_bad is not None and first_bad / last_good > 1.5:
         point(math.sqrt(last_good * first_bad))  # one step between the last good and the first bad rate
     return sw
 
@@ -136,7 +147,8 @@ def table(sweeps: list[Sweep], a: argparse.Namespace) -> str:
                             f"({p.requests - p.failed}/{p.requests}){'' if p.sustainable else ' x'}"
                             for p in sorted(sw.points, key=lambda p: p.rate))
             best = sw.best
-            shown = f"{best:.3g}" if best is not None else f"< {a.rate0:.3g}"
+            lowest = min((p.rate for p in sw.points), default=a.rate0)
+            shown = f"{best:.3g}" if best is not None else f"< {lowest:.3g}"
             lines.append(f"| {n} | {a.max_tokens} | {sw.system} | {shown}{' (cut short)' if sw.truncated else ''} "
                          f"| {pts} |")
         on = next((s.best for s in sws if "on" in s.system.split()[1]), None)
@@ -144,7 +156,8 @@ def table(sweeps: list[Sweep], a: argparse.Namespace) -> str:
         if on and off:
             lines.append(f"| {n} | | **sharing on / off** | **{on / off:.2f}x** | |")
         elif on and not off:
-            lines.append(f"| {n} | | **sharing on / off** | **> {on / a.rate0:.2f}x** (off sustains no tried rate) | |")
+            low = min((p.rate for s in sws if "off" in s.system.split()[1] for p in s.points), default=a.rate0)
+            lines.append(f"| {n} | | **sharing on / off** | **> {on / low:.2f}x** (off sustains no tried rate) | |")
     return "\n".join(lines)
 
 
@@ -153,16 +166,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", default="1024,2048", help="n_s = n_p values, comma-separated")
     ap.add_argument("--max-tokens", type=int, default=32, help="n_c: tokens generated per request")
-    ap.add_argument("--bound-ms", type=float, default=250.0, help="mean TPOT bound (ms)")
+    ap.add_argument("--bound-ms", type=float, default=300.0, help="mean TPOT bound (ms)")
     ap.add_argument("--rate0", type=float, default=0.1, help="lowest rate of the ladder (req/s)")
     ap.add_argument("--factor", type=float, default=2.0, help="ladder step")
     ap.add_argument("--max-points", type=int, default=6, help="rates per sweep at most")
     ap.add_argument("--per-rate", type=float, default=30.0, help="seconds of arrivals per rate")
-    ap.add_argument("--drain", type=float, default=30.0, help="seconds open requests may take to finish")
+    ap.add_argument("--per-rate-max", type=float, default=60.0, help="longest run of one rate (s)")
+    ap.add_argument("--min-arrivals", type=float, default=4.0, help="expected arrivals per rate at least "
+                    "(low rates run longer, up to --per-rate-max)")
+    ap.add_argument("--max-down", type=int, default=1, help="ladder steps below --rate0 when it fails")
+    ap.add_argument("--drain", type=float, default=20.0, help="seconds open requests may take to finish")
     ap.add_argument("--users", type=int, default=4, help="locust users (Poisson sources)")
     ap.add_argument("--max-inflight", type=int, default=16, help="open requests per user at most")
-    ap.add_argument("--max-minutes", type=float, default=15.0, help="stop starting new rates after this")
-    ap.add_argument("--systems", default="on,off", help="on, off or both")
+    ap.add_argument("--max-minutes", type=float, default=16.0, help="stop starting new rates after this")
+    ap.add_argument("--systems", default="off,on", help="on, off or both")
     ap.add_argument("--engine", default=None, help="extra EngineConfig JSON for both systems")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     ap.add_argument("--tokenizer", default=None, help="default: the embedded model's tokenizer")
@@ -171,9 +188,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     a = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # clean up (locust, then the cluster) as on Ctrl-C
     if a.tokenizer is None:
         from chunkserve.workers.weights import embedded_checkpoint_dir
 
@@ -196,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     md = table(sweeps, a)
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.platform(),
-            "cpus": __import__("os").cpu_count(), "loadavg_at_end": load,
+            "cpus": os.cpu_count(), "loadavg_at_end": load,
             "minutes": (time.monotonic() - t_start) / 60, "args": vars(a)}
     (out / "bench_cluster.json").write_text(json.dumps(
         {"meta": meta, "sweeps": [{"system": s.system, "n": s.n, "best_rate": s.best, "truncated": s.truncated,

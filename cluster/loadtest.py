@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -242,6 +243,14 @@ def run_load(ep: Endpoints, spec: LoadSpec, out_dir: Path, sample_interval_s: fl
             proc.kill()
             proc.wait()
             code = 124
+        except BaseException:  # Ctrl-C / SIGTERM: stop locust too, then let the cluster shut down
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            sampler.stop()
+            raise
     load_end = sampler.now()
     wait_idle(sampler, timeout_s=max(10.0, spec.drain_timeout_s))
     time.sleep(settle_s)
@@ -345,10 +354,15 @@ def _print_summary(s: dict[str, Any], out_dir: Path) -> None:
     print(f"results in {out_dir}")
 
 
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     a = parse_args(argv)
     spec = spec_from_args(a)
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C (locust, then the cluster)
     out_dir = Path(a.out or f"loadtest-results/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     if a.host:
