@@ -98,12 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     stop = threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     with redis_for(args.redis_url) as redis_url:
         try:
             t0 = time.perf_counter()
             serve_app(args, redis_url)
+            for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installs its own handlers: take them back
+                signal.signal(sig, on_signal)
             mode = f"tenants from {args.tenants}" if args.tenants else "open mode (single tenant 'public')"
             print(f"chunkserve is up in {time.perf_counter() - t0:.0f} s ({mode})\n"
                   f"  HTTP (OpenAI API): http://{args.host}:{args.http_port}/v1\n"

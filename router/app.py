@@ -42,6 +42,7 @@ class AppConfig(BaseModel):
     ingress_replicas: int = Field(1, ge=1)
     redis_url: str | None = None  # default: $CHUNKSERVE_REDIS_URL
     lease_ttl_s: float = 5.0
+    namespace: str = "chunkserve"  # Redis key namespace of the prefix index and worker stats
     tenants: str | None = None  # a tenants YAML; None: open mode with the single tenant "public"
     engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig fields (chunk_size, dtype, ...)
     router: dict[str, Any] = Field(default_factory=dict)  # PrefixAwareRouter kwargs (policy, reader, ...)
@@ -84,7 +85,14 @@ class ServeIngress(Ingress):
         chunk = int(cfg.engine.get("chunk_size", 64))
         icfg = IngressConfig(model_name=cfg.model_name, max_model_len=min(max_len, engine_max or max_len),
                              chunk_size=chunk, vocab_size=vocab)
-        super().__init__(HandleEngineClient(worker_handle), tokenizer, load_tenants(cfg.tenants), icfg)
+        url = cfg.resolved_redis_url()
+        stats = None
+        if url:
+            from chunkserve.cluster.stats import ClusterStatsReader
+
+            stats = ClusterStatsReader(url, cfg.namespace)
+        super().__init__(HandleEngineClient(worker_handle), tokenizer, load_tenants(cfg.tenants), icfg,
+                         cluster_stats=stats)
 
 
 def build_app(cfg: AppConfig) -> Any:
@@ -94,7 +102,7 @@ def build_app(cfg: AppConfig) -> Any:
     from chunkserve.workers.deployment import build_worker_deployment
 
     redis_url = cfg.resolved_redis_url()
-    router_kwargs = {"redis_url": redis_url, **cfg.router}
+    router_kwargs = {"redis_url": redis_url, "namespace": cfg.namespace, **cfg.router}
     actor_opts: dict[str, Any] = {"num_cpus": cfg.worker_num_cpus}
     if cfg.worker_num_gpus:
         actor_opts["num_gpus"] = cfg.worker_num_gpus
@@ -109,7 +117,7 @@ def build_app(cfg: AppConfig) -> Any:
                                          router_kwargs=router_kwargs, autoscaling_config=cfg.autoscaling,
                                          max_ongoing_requests=cfg.max_ongoing_requests,
                                          request_router_class=cfg.request_router)
-    worker = worker_cls.bind(engine, redis_url, cfg.lease_ttl_s)
+    worker = worker_cls.bind(engine, redis_url, cfg.lease_ttl_s, cfg.namespace)
     ingress_cls = serve.deployment(name="Ingress", num_replicas=cfg.ingress_replicas, max_ongoing_requests=2048,
                                    ray_actor_options={"num_cpus": 0})(serve.ingress()(ServeIngress))
     return ingress_cls.bind(worker, cfg.model_dump_json())
