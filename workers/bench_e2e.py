@@ -1,9 +1,15 @@
 """`chunkserve bench e2e`: the paper's end-to-end table on this machine, systems side by side.
 
 Workload: b concurrent requests of n_p prompt tokens whose first n_s tokens are shared, each
-generating n_c tokens (greedy, EOS ignored), plus a Poisson-arrival variant. Systems, in one run:
-chunkserve with TPP and prefix sharing; chunkserve with sharing off (paged attention, no prefix
-reuse: vLLM without prefix caching); Hugging Face transformers' batched `generate`.
+generating n_c tokens (greedy, EOS ignored), plus a Poisson-arrival variant. Systems, in one run
+and in the same dtype and torch thread count: chunkserve with TPP and prefix sharing; chunkserve
+with sharing off (paged attention, no prefix reuse: vLLM without prefix caching); Hugging Face
+transformers' batched `generate` (one padded-free batch, its own KV cache).
+
+Measured per system: decode latency (ms per step of the running batch, i.e. per output token of a
+request) and decode tokens/s over pure decode steps only (steps that also ran prefill tokens are
+excluded); end-to-end tokens/s; mean TTFT from each request's arrival; peak KV bytes (chunks in
+use at the peak, or HF's cache size); peak decode batch.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +30,8 @@ from chunkserve.workers.engine import EngineConfig, EngineCore
 from chunkserve.workers.sampling import SamplingParams
 from chunkserve.workers.weights import LoadedModel, embedded_checkpoint_dir, load_model
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 def make_prompts(b: int, n_p: int, n_s: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -29,16 +39,19 @@ def make_prompts(b: int, n_p: int, n_s: int, vocab: int, seed: int) -> list[list
     return [shared + [rng.randrange(100, vocab) for _ in range(n_p - n_s)] for _ in range(b)]
 
 
-def run_engine(loaded: LoadedModel, prompts: list[list[int]], n_c: int, share: bool, chunk: int,
-               rate: float | None = None, seed: int = 0) -> dict[str, Any]:
-    """Serve the prompts on a fresh engine; arrivals all at t=0, or Poisson at ``rate`` req/s."""
+def engine_config(loaded: LoadedModel, prompts: list[list[int]], n_c: int, share: bool, chunk: int,
+                  threads: int | None) -> EngineConfig:
+    """Room for every request unshared (so neither system preempts), the same budget for both."""
     kv_tokens = sum(len(p) + n_c for p in prompts)
-    nbytes = 2 * loaded.config.num_layers * loaded.config.kv_size * loaded.model.lm_head.dtype.itemsize
-    cfg = EngineConfig(chunk_size=chunk, share_prefix=share,
-                       attention_backend="torch" if share else "paged-torch",
-                       num_kv_chunks=kv_tokens // chunk + 2 * len(prompts) + 8,
-                       max_num_batched_tokens=2048, max_num_seqs=len(prompts), kv_cache_gb=kv_tokens * nbytes / 2**30)
-    core = EngineCore(cfg, loaded=loaded)
+    return EngineConfig(chunk_size=chunk, share_prefix=share, attention_backend="torch" if share else "paged-torch",
+                        num_kv_chunks=kv_tokens // chunk + 2 * len(prompts) + 8, max_num_batched_tokens=2048,
+                        max_num_seqs=len(prompts), num_threads=threads)
+
+
+def run_engine(loaded: LoadedModel, prompts: list[list[int]], n_c: int, share: bool, chunk: int,
+               rate: float | None = None, seed: int = 0, threads: int | None = None) -> dict[str, Any]:
+    """Serve the prompts on a fresh engine; arrivals all at t=0, or Poisson at ``rate`` req/s."""
+    core = EngineCore(engine_config(loaded, prompts, n_c, share, chunk, threads), loaded=loaded)
     params = SamplingParams(max_tokens=n_c, temperature=0.0, ignore_eos=True)
     rng = random.Random(seed)
     arrivals, t = [], 0.0
@@ -57,15 +70,17 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], n_c: int, share: b
         if not core.has_work():
             time.sleep(max(0.0, arrivals[added] - now))
             continue
+        ran_before = core.runner.tokens_computed
         t0 = time.perf_counter()
         outs = core.step()
         dt = time.perf_counter() - t0
-        running = [r for r in core.scheduler.running if not r.prefilling]
-        if outs and all(len(o.req.output) > 1 for o in outs):  # a pure decode step
+        ran = core.runner.tokens_computed - ran_before
+        n_dec = sum(1 for o in outs if len(o.req.output) > 1)
+        if outs and n_dec == len(outs) == ran:  # every row of the step was a decode row
             decode_time += dt
-            decode_tokens += len(outs)
+            decode_tokens += n_dec
             decode_steps += 1
-        peak_batch = max(peak_batch, len(outs), len(running))
+        peak_batch = max(peak_batch, n_dec)
         t_now = time.perf_counter() - start
         for o in outs:
             rid = int(o.req.request_id)
@@ -74,39 +89,59 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], n_c: int, share: b
                 done[rid] = t_now
     total = time.perf_counter() - start
     st = core.stats()
-    return {"total_s": total, "ttft_s": sum(first.values()) / len(first),
+    return {"total_s": total, "ttft_s": statistics.fmean(first.values()), "ttft_max_s": max(first.values()),
             "decode_ms_per_token": 1e3 * decode_time / max(1, decode_steps),
             "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
             "tok_s": len(prompts) * n_c / total, "peak_kv_bytes": st["peak_kv_bytes"], "peak_batch": peak_batch,
-            "cached_tokens": st["prefix_cached_tokens"]}
+            "cached_tokens": st["prefix_cached_tokens"], "decode_steps": decode_steps}
 
 
-def run_hf(prompts: list[list[int]], n_c: int) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
+class _StepClock:
+    """A logits processor that timestamps every generation step of HF `generate` (after its forward)."""
 
-    model = AutoModelForCausalLM.from_pretrained(embedded_checkpoint_dir(), dtype=torch.float32).eval()
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def run_hf(prompts: list[list[int]], n_c: int, dtype: torch.dtype) -> dict[str, Any]:
+    """One batched greedy `generate` in ``dtype``; TTFT and per-step times from the same call."""
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    model = AutoModelForCausalLM.from_pretrained(embedded_checkpoint_dir(), dtype=dtype).eval()
     ids = torch.tensor(prompts)
-    with torch.no_grad():
+    clock = _StepClock()
+    with torch.inference_mode():
+        model.generate(ids[:1, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
         t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=n_c, min_new_tokens=n_c, do_sample=False, pad_token_id=0)
+        model.generate(ids, max_new_tokens=n_c, min_new_tokens=n_c, do_sample=False, pad_token_id=0,
+                       logits_processor=LogitsProcessorList([clock]))
         total = time.perf_counter() - t0
+    if len(clock.times) != n_c:
+        raise RuntimeError(f"expected {n_c} generation steps from HF generate, timed {len(clock.times)}")
     cfg = model.config
-    kv = 2 * cfg.num_hidden_layers * len(prompts) * (len(prompts[0]) + n_c) * cfg.num_key_value_heads * (
-        cfg.hidden_size // cfg.num_attention_heads) * 4
-    dec = max(total - ttft, 1e-9)
-    return {"total_s": total, "ttft_s": ttft, "decode_ms_per_token": 1e3 * dec / (n_c - 1),
-            "decode_tok_s": len(prompts) * (n_c - 1) / dec, "tok_s": len(prompts) * n_c / total,
-            "peak_kv_bytes": kv, "peak_batch": len(prompts), "cached_tokens": 0}
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = (2 * cfg.num_hidden_layers * len(prompts) * (len(prompts[0]) + n_c) * cfg.num_key_value_heads * head_dim
+          * torch.finfo(dtype).bits // 8)
+    dec = clock.times[-1] - clock.times[0]
+    return {"total_s": total, "ttft_s": clock.times[0] - t0, "ttft_max_s": clock.times[0] - t0,
+            "decode_ms_per_token": 1e3 * dec / (n_c - 1), "decode_tok_s": len(prompts) * (n_c - 1) / dec,
+            "tok_s": len(prompts) * n_c / total, "peak_kv_bytes": kv, "peak_batch": len(prompts),
+            "cached_tokens": 0, "decode_steps": n_c - 1}
 
 
-def ttft_cached_vs_uncached(loaded: LoadedModel, n_p: int, chunk: int) -> dict[str, float]:
-    """TTFT of one request whose n_p-token system prompt is cached, against the same prompt uncached."""
-    sys_prompt = make_prompts(1, n_p, n_p, loaded.config.vocab_size, 99)[0]
-    core = EngineCore(EngineConfig(chunk_size=chunk, num_kv_chunks=4 * (n_p // chunk + 4),
-                                   max_num_batched_tokens=2048), loaded=loaded)
+def ttft_cached_vs_uncached(loaded: LoadedModel, n_p: int, chunk: int, threads: int | None,
+                            reps: int = 3) -> dict[str, float]:
+    """TTFT of one request whose n_p-token system prompt is cached, against a fresh one uncached.
+
+    One warm engine; each repetition uses a new system prompt (so "uncached" is a true miss), and
+    the medians are reported."""
+    vocab = loaded.config.vocab_size
+    core = EngineCore(EngineConfig(chunk_size=chunk, num_kv_chunks=4 * reps * (n_p // chunk + 4),
+                                   max_num_batched_tokens=2048, num_threads=threads), loaded=loaded)
     p = SamplingParams(max_tokens=1, temperature=0.0)
 
     def one(rid: str, toks: list[int]) -> float:
@@ -116,9 +151,21 @@ def ttft_cached_vs_uncached(loaded: LoadedModel, n_p: int, chunk: int) -> dict[s
             core.step()
         return time.perf_counter() - t0
 
-    uncached = one("u", sys_prompt + [7, 8, 9])
-    cached = one("c", sys_prompt + [10, 11, 12])
-    return {"ttft_uncached_s": uncached, "ttft_cached_s": cached, "speedup": uncached / cached}
+    one("warm", make_prompts(1, 256, 0, vocab, 1)[0])
+    unc, cac = [], []
+    for r in range(reps):
+        sys_prompt = make_prompts(1, n_p, n_p, vocab, 99 + r)[0]
+        unc.append(one(f"u{r}", sys_prompt + [7, 8, 9]))
+        cac.append(one(f"c{r}", sys_prompt + [10, 11, 12]))
+    u, c = statistics.median(unc), statistics.median(cac)
+    return {"ttft_uncached_s": u, "ttft_cached_s": c, "speedup": u / c}
+
+
+def warm_up(loaded: LoadedModel, chunk: int, threads: int | None) -> None:
+    """A short run of both attention paths, so one-time costs do not land on the first system."""
+    prompts = make_prompts(4, 200, 128, loaded.config.vocab_size, 5)
+    for share in (True, False):
+        run_engine(loaded, prompts, 4, share, chunk, threads=threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,67 +174,99 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--n-c", type=int, default=64)
     ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads for every system (default 1: robust on a shared machine)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the main table")
+    ap.add_argument("--extra-dtype", default="bfloat16",
+                    help="also run the n_s=n_p burst rows of the smallest n_p in this dtype ('' for none)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-poisson", action="store_true")
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     b, n_c = (16, 32) if args.quick else (args.batch, args.n_c)
     n_ps = [1024] if args.quick else [1024, 2048]
-    loaded = load_model(None, dtype="float32")
-    rows = []
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()
+    print(f"b={b} n_c={n_c} chunk={args.chunk_size} threads={args.threads} dtype={args.dtype} "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    loaded = load_model(None, dtype=args.dtype)
+    warm_up(loaded, args.chunk_size, args.threads)
+    rows: list[dict[str, Any]] = []
+
+    def record(n_p: int, n_s: int, system: str, arrivals: str, dtype: str, res: dict[str, Any]) -> None:
+        rows.append({"n_p": n_p, "n_s": n_s, "system": system, "arrivals": arrivals, "dtype": dtype,
+                     "load_avg_1m": round(os.getloadavg()[0], 2), **res})
+        print_row(rows[-1])
+
+    def burst(ld: LoadedModel, dtype: str, n_p: int, n_s: int, hf: bool) -> None:
+        prompts = make_prompts(b, n_p, n_s, ld.config.vocab_size, seed=n_p + n_s)
+        for name, share in (("chunkserve-tpp", True), ("sharing-off-paged", False)):
+            gc.collect()
+            record(n_p, n_s, name, "burst", dtype, run_engine(ld, prompts, n_c, share, args.chunk_size,
+                                                               threads=args.threads))
+        if hf:
+            gc.collect()
+            record(n_p, n_s, "hf-generate", "burst", dtype, run_hf(prompts, n_c, DTYPES[dtype]))
+
     for n_p in n_ps:
         for n_s in (0, n_p):
-            prompts = make_prompts(b, n_p, n_s, loaded.config.vocab_size, seed=n_p + n_s)
-            systems = {"chunkserve-tpp": lambda p=prompts: run_engine(loaded, p, n_c, True, args.chunk_size),
-                       "sharing-off-paged": lambda p=prompts: run_engine(loaded, p, n_c, False, args.chunk_size)}
-            if not args.no_hf and not (args.quick and n_s == 0):
-                systems["hf-generate"] = lambda p=prompts: run_hf(p, n_c)
-            for name, fn in systems.items():
+            burst(loaded, args.dtype, n_p, n_s, not args.no_hf and not (args.quick and n_s == 0))
+        if not args.no_poisson:
+            prompts = make_prompts(b, n_p, n_p, loaded.config.vocab_size, seed=7)
+            for name, share in (("chunkserve-tpp", True), ("sharing-off-paged", False)):
                 gc.collect()
-                res = fn()
-                rows.append({"n_p": n_p, "n_s": n_s, "system": name, "arrivals": "burst", **res})
-                print_row(rows[-1])
-        prompts = make_prompts(b, n_p, n_p, loaded.config.vocab_size, seed=7)
-        for name, share in (("chunkserve-tpp", True), ("sharing-off-paged", False)):
-            res = run_engine(loaded, prompts, n_c, share, args.chunk_size, rate=4.0)
-            rows.append({"n_p": n_p, "n_s": n_p, "system": name, "arrivals": "poisson(4/s)", **res})
-            print_row(rows[-1])
-    ttft = ttft_cached_vs_uncached(loaded, 1024, args.chunk_size)
-    print(f"\nTTFT, 1024-token system prompt: uncached {ttft['ttft_uncached_s'] * 1e3:.0f} ms, cached "
-          f"{ttft['ttft_cached_s'] * 1e3:.0f} ms -> {ttft['speedup']:.1f}x")
+                record(n_p, n_p, name, "poisson(4/s)", args.dtype,
+                       run_engine(loaded, prompts, n_c, share, args.chunk_size, rate=4.0, threads=args.threads))
+    ttft = ttft_cached_vs_uncached(loaded, 1024, args.chunk_size, args.threads)
+    print(f"\nTTFT, 1024-token system prompt (median of 3): uncached {ttft['ttft_uncached_s'] * 1e3:.0f} ms, "
+          f"cached {ttft['ttft_cached_s'] * 1e3:.0f} ms -> {ttft['speedup']:.1f}x", flush=True)
+    if args.extra_dtype and args.extra_dtype != args.dtype:
+        if args.extra_dtype not in DTYPES:
+            raise ValueError(f"--extra-dtype must be one of {sorted(DTYPES)} or ''")
+        del loaded
+        gc.collect()
+        extra = load_model(None, dtype=args.extra_dtype)
+        warm_up(extra, args.chunk_size, args.threads)
+        burst(extra, args.extra_dtype, n_ps[0], n_ps[0], not args.no_hf)
     summarize(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_e2e.json").write_text(json.dumps({"rows": rows, "ttft": ttft, "b": b, "n_c": n_c}, indent=2))
+    meta = {"b": b, "n_c": n_c, "chunk_size": args.chunk_size, "threads": args.threads,
+            "load_avg_start": [round(x, 2) for x in load], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    (out / "bench_e2e.json").write_text(json.dumps({"rows": rows, "ttft": ttft, **meta}, indent=2))
     plot(rows, out / "bench_e2e.png")
     print(f"wrote {out / 'bench_e2e.json'}")
     return 0
 
 
 def print_row(r: dict[str, Any]) -> None:
-    print(f"n_p={r['n_p']:5d} n_s={r['n_s']:5d} {r['arrivals']:12s} {r['system']:18s} "
+    print(f"n_p={r['n_p']:5d} n_s={r['n_s']:5d} {r['arrivals']:12s} {r['dtype']:8s} {r['system']:18s} "
           f"decode {r['decode_ms_per_token']:8.1f} ms/tok  {r['decode_tok_s']:7.1f} dec tok/s  "
           f"{r['tok_s']:7.1f} tok/s  TTFT {r['ttft_s']:6.2f} s  peak KV {r['peak_kv_bytes'] / 2**20:8.1f} MiB  "
-          f"batch {r['peak_batch']}", flush=True)
+          f"batch {r['peak_batch']}  (load {r['load_avg_1m']:.1f})", flush=True)
 
 
 def summarize(rows: list[dict[str, Any]]) -> None:
-    def get(n_p: int, n_s: int, system: str) -> dict[str, Any] | None:
+    def get(n_p: int, n_s: int, system: str, dtype: str) -> dict[str, Any] | None:
         for r in rows:
-            if (r["n_p"], r["n_s"], r["system"], r["arrivals"]) == (n_p, n_s, system, "burst"):
+            if (r["n_p"], r["n_s"], r["system"], r["arrivals"], r["dtype"]) == (n_p, n_s, system, "burst", dtype):
                 return r
         return None
 
     print("\nratios (chunkserve TPP vs sharing off / vs HF):")
-    for n_p in sorted({r["n_p"] for r in rows}):
-        for n_s in (0, n_p):
-            a, b_, h = get(n_p, n_s, "chunkserve-tpp"), get(n_p, n_s, "sharing-off-paged"), get(n_p, n_s, "hf-generate")
-            if not a or not b_:
-                continue
-            line = (f"  n_p={n_p} n_s={n_s}: decode tok/s x{a['decode_tok_s'] / b_['decode_tok_s']:.2f}, "
-                    f"peak KV -{100 * (1 - a['peak_kv_bytes'] / b_['peak_kv_bytes']):.1f}%")
-            if h:
-                line += f", decode tok/s vs HF x{a['decode_tok_s'] / h['decode_tok_s']:.2f}"
-            print(line)
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        for n_p in sorted({r["n_p"] for r in rows}):
+            for n_s in (0, n_p):
+                a, b_ = get(n_p, n_s, "chunkserve-tpp", dtype), get(n_p, n_s, "sharing-off-paged", dtype)
+                h = get(n_p, n_s, "hf-generate", dtype)
+                if not a or not b_:
+                    continue
+                line = (f"  {dtype} n_p={n_p} n_s={n_s}: decode tok/s x{a['decode_tok_s'] / b_['decode_tok_s']:.2f}, "
+                        f"peak KV -{100 * (1 - a['peak_kv_bytes'] / b_['peak_kv_bytes']):.1f}%")
+                if h:
+                    line += f", decode tok/s vs HF x{a['decode_tok_s'] / h['decode_tok_s']:.2f}"
+                print(line)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -199,7 +278,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     except ImportError:
         return
     burst = [r for r in rows if r["arrivals"] == "burst"]
-    labels = [f"{r['n_p']}/{r['n_s']}\n{r['system']}" for r in burst]
+    labels = [f"{r['n_p']}/{r['n_s']} {r['dtype'][:4]}\n{r['system']}" for r in burst]
     fig, axes = plt.subplots(1, 2, figsize=(14, 4))
     axes[0].bar(range(len(burst)), [r["decode_tok_s"] for r in burst])
     axes[0].set_title("decode tokens/s")
@@ -208,4 +287,4 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for ax in axes:
         ax.set_xticks(range(len(burst)), labels, rotation=90, fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=80)

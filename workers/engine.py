@@ -44,6 +44,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's setting
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
         if self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be > 0")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
 
 
 class EngineCore:
@@ -58,9 +61,12 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = cfg = config or EngineConfig()
+        if cfg.num_threads is not None and cfg.device == "cpu":
+            torch.set_num_threads(cfg.num_threads)
         if loaded is None:
             loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
+        self.model.prepack()  # CPU bf16: oneDNN-blocked weights (a no-op otherwise)
         mc: ModelConfig = self.model_config
         dtype = self.model.lm_head.dtype
         per_chunk = 2 * mc.num_layers * mc.num_kv_heads * cfg.chunk_size * mc.head_dim * dtype.itemsize

@@ -114,6 +114,43 @@ class CausalLM:
         freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2] fp32
         self._cos = (freqs.cos() * scale).to(device=self.device, dtype=self.dtype)  # [P, D/2]
         self._sin = (freqs.sin() * scale).to(device=self.device, dtype=self.dtype)  # [P, D/2]
+        self._packed: list[tuple[torch.Tensor, ...]] | None = None  # oneDNN-blocked weights (see prepack)
+        self._packed_head: torch.Tensor | None = None
+
+    def prepack(self, batch_hint: int = 32) -> bool:
+        """Reorder the matmul weights once into oneDNN's blocked layout (CPU bf16 only); returns whether.
+
+        Plain `F.linear` re-packs the weight on every call; the packed form skips that (about 1.3x
+        faster decode matmuls, bit-identical results). Costs one extra copy of the weights in memory.
+        fp32 keeps the plain path (the packed fp32 kernel rounds differently from transformers').
+        """
+        if self._packed is not None:
+            return True
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            return False
+        mkldnn = torch.ops.mkldnn
+        if not (hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False
+
+        def pack(w: torch.Tensor) -> torch.Tensor:
+            return mkldnn._reorder_linear_weight(w, batch_hint)
+
+        try:
+            lw = self.layers[0]
+            probe = torch.randn(3, lw.w_qkv.shape[1], generator=torch.Generator().manual_seed(0)).to(self.dtype)
+            if not torch.equal(self._packed_linear(probe, pack(lw.w_qkv), lw.b_qkv), F.linear(probe, lw.w_qkv, lw.b_qkv)):
+                return False
+            self._packed = [(pack(lw.w_qkv), pack(lw.w_o), pack(lw.w_gate_up), pack(lw.w_down)) for lw in self.layers]
+            self._packed_head = pack(self.lm_head)
+        except RuntimeError:  # an ATen build without these oneDNN ops
+            self._packed = self._packed_head = None
+            return False
+        return True
+
+    @staticmethod
+    def _packed_linear(x: torch.Tensor, w_packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, w_packed, b, "none", [], "")
 
     def kv_bytes_per_token(self) -> int:
         """K and V bytes one token occupies across all layers, in the model dtype."""
@@ -249,16 +286,20 @@ class CausalLM:
         sin = self._sin.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
         split = [c.q_size, c.kv_size, c.kv_size]
         h = self.embed.index_select(0, input_ids)  # [T, H]
+        packed = self._packed
+        lin = self._packed_linear if packed is not None else F.linear
         for i, lw in enumerate(self.layers):
+            w_qkv, w_o, w_gate_up, w_down = packed[i] if packed is not None else (
+                lw.w_qkv, lw.w_o, lw.w_gate_up, lw.w_down)
             x = self._rms_norm(h, lw.ln1)
-            q, k, v = F.linear(x, lw.w_qkv, lw.b_qkv).split(split, dim=-1)  # [T, Hq*D], [T, Hkv*D] x2
+            q, k, v = lin(x, w_qkv, lw.b_qkv).split(split, dim=-1)  # [T, Hq*D], [T, Hkv*D] x2
             q = self._rope(q.view(t, c.num_heads, c.head_dim), cos, sin)  # [T, Hq, D]
             k = self._rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)  # [T, Hkv, D]
-            o = attn(i, q, k, v.reshape(t, c.num_kv_heads, c.head_dim).contiguous())  # [T, Hq, D]
-            h.add_(F.linear(o.reshape(t, c.q_size), lw.w_o, lw.b_o))  # h is our own buffer: add in place
+            o = attn(i, q, k, v.view(t, c.num_kv_heads, c.head_dim))  # [T, Hq, D]; v: a strided view
+            h.add_(lin(o.reshape(t, c.q_size), w_o, lw.b_o))  # h is our own buffer: add in place
             x = self._rms_norm(h, lw.ln2)
-            gate, up = F.linear(x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)  # views [T, I] x2
-            h.add_(F.linear(F.silu(gate, inplace=True).mul_(up), lw.w_down, lw.b_down))
+            gate, up = lin(x, w_gate_up, lw.b_gate_up).chunk(2, dim=-1)  # views [T, I] x2
+            h.add_(lin(F.silu(gate, inplace=True).mul_(up), w_down, lw.b_down))
         return self._rms_norm(h, self.norm)
 
     __call__ = forward
@@ -266,6 +307,8 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, H] (from `forward`) -> fp32 logits [n, V]."""
+        if self._packed_head is not None:
+            return self._packed_linear(hidden, self._packed_head, None).float()
         return F.linear(hidden, self.lm_head).float()
 
 

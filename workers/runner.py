@@ -3,6 +3,8 @@
 Rows are laid out as [prefill pieces..., decode rows in tree order]. The per-layer attention
 (`StepAttention`) first scatters the step's new K/V into their pool slots, then runs prefill
 attention over each piece's cached prefix and TPP decode attention over the decode rows.
+Everything that is the same for all layers (slot indices, prefill tables) is built once per step;
+the decode kernels reuse one scratch `Workspace` across layers and steps.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from chunkserve.kernels.api import decode_attention
 from chunkserve.kernels.context import ChunkContext
 from chunkserve.kernels.prefill import prefill_attention
+from chunkserve.kernels.torch_ops import Workspace
 from chunkserve.workers.kvcache import PrefixKVCache
 from chunkserve.workers.model import CausalLM
 from chunkserve.workers.scheduler import Request, StepPlan
@@ -21,51 +24,60 @@ class StepAttention:
     """The `AttentionFn` of one step: K/V writes + prefill attention + decode attention."""
 
     def __init__(self, cache: PrefixKVCache, plan: StepPlan, decode_backend: str, prefill_backend: str,
-                 scale: float) -> None:
+                 scale: float, workspace: Workspace | None = None) -> None:
         dev = cache.pool.device
+        c = cache.chunk_size
         self.cache = cache
         self.scale = scale
         self.decode_backend = decode_backend
         self.prefill_backend = prefill_backend
-        self.chunks = torch.tensor(plan.slot_chunks, dtype=torch.long, device=dev)  # [T]
-        self.offsets = torch.tensor(plan.slot_offsets, dtype=torch.long, device=dev)  # [T]
+        self.workspace = workspace
+        # flat slot of every new token in a layer's pool viewed as [Hkv, N*c, D]
+        self.slots = torch.tensor([ch * c + off for ch, off in zip(plan.slot_chunks, plan.slot_offsets, strict=True)],
+                                  dtype=torch.long, device=dev)  # [T]
         self.num_prefill = sum(len(p.tokens) for p in plan.prefills)
         self.ctx: ChunkContext | None = plan.decode_ctx  # type: ignore[assignment]
         if plan.prefills:
-            c = cache.chunk_size
             tables = [cache.seq_chunks(p.req.seq_id) for p in plan.prefills]
             width = max(len(t) for t in tables)
-            bt = torch.zeros(len(tables), width, dtype=torch.int32)
-            btok = torch.zeros(len(tables), width, dtype=torch.int32)
-            for i, (t, p) in enumerate(zip(tables, plan.prefills, strict=True)):
+            bt = [t + [0] * (width - len(t)) for t in tables]
+            btok = []
+            for t, p in zip(tables, plan.prefills, strict=True):
                 n = len(t)
-                bt[i, :n] = torch.tensor(t, dtype=torch.int32)
-                btok[i, :n] = c
-                btok[i, n - 1] = cache.seq_len(p.req.seq_id) - c * (n - 1)
-            self.block_table, self.block_tokens = bt.to(dev), btok.to(dev)
+                btok.append([c] * (n - 1) + [cache.seq_len(p.req.seq_id) - c * (n - 1)] + [0] * (width - n))
+            self.block_table = torch.tensor(bt, dtype=torch.int32, device=dev)  # [B, P]
+            self.block_tokens = torch.tensor(btok, dtype=torch.int32, device=dev)  # [B, P]
             self.q_start = [p.start for p in plan.prefills]
             cu = [0]
             for p in plan.prefills:
                 cu.append(cu[-1] + len(p.tokens))
             self.cu_q = cu
 
+    def _prefill(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+        return prefill_attention(q, kp, vp, self.block_table, self.block_tokens, self.q_start, self.cu_q,
+                                 self.scale, self.prefill_backend)
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D], k, v: [T, Hkv, D] -> o: [T, Hq, D]
-        self.cache.write(layer, self.chunks, self.offsets, k, v)
+        kp, vp = self.cache.k_pool[layer], self.cache.v_pool[layer]  # [Hkv, N, c, D] (contiguous)
+        hkv, n, c, d = kp.shape
+        # the same scatter as `cache.write`, as one index_copy_ per pool on the flat slot index
+        kp.view(hkv, n * c, d).index_copy_(1, self.slots, k.transpose(0, 1).to(kp.dtype))
+        vp.view(hkv, n * c, d).index_copy_(1, self.slots, v.transpose(0, 1).to(vp.dtype))
         if self.cache.pending_copies:
             self.cache.apply_copies(layer)
-        kp, vp = self.cache.k_pool[layer], self.cache.v_pool[layer]  # [Hkv, N, c, D]
         tp = self.num_prefill
         if tp == q.shape[0]:
-            return prefill_attention(q, kp, vp, self.block_table, self.block_tokens, self.q_start, self.cu_q,
-                                     self.scale, self.prefill_backend)
-        assert self.ctx is not None
+            return self._prefill(q, kp, vp)
+        if self.ctx is None:
+            raise RuntimeError("decode rows without a decode context")
         if tp == 0:
-            return decode_attention(q, kp, vp, self.ctx, self.scale, self.decode_backend)
+            return decode_attention(q, kp, vp, self.ctx, self.scale, self.decode_backend,
+                                    workspace=self.workspace)
         o = torch.empty_like(q)
-        o[:tp] = prefill_attention(q[:tp], kp, vp, self.block_table, self.block_tokens, self.q_start,
-                                   self.cu_q, self.scale, self.prefill_backend)
-        o[tp:] = decode_attention(q[tp:], kp, vp, self.ctx, self.scale, self.decode_backend)
+        o[:tp] = self._prefill(q[:tp], kp, vp)
+        decode_attention(q[tp:], kp, vp, self.ctx, self.scale, self.decode_backend, out=o[tp:],
+                         workspace=self.workspace)
         return o
 
 
@@ -79,6 +91,7 @@ class ModelRunner:
         self.decode_backend = decode_backend
         self.prefill_backend = prefill_backend
         self.scale = model.config.head_dim ** -0.5
+        self.workspace = Workspace()  # decode scratch buffers, reused by every layer of every step
         self.tokens_computed = 0  # total tokens run through the model (prefill + decode)
 
     @torch.inference_mode()
@@ -94,17 +107,20 @@ class ModelRunner:
             if piece.samples:
                 sample_rows.append(len(ids) - 1)
                 sample_reqs.append(piece.req)
-        for req in plan.decodes:
-            sample_rows.append(len(ids))
-            sample_reqs.append(req)
-            ids.append(req.output[-1])
-            pos.append(len(req.prompt) + len(req.output) - 1)
+        base = len(ids)
+        if plan.decodes:
+            sample_rows += range(base, base + len(plan.decodes))
+            sample_reqs += plan.decodes
+            ids += [req.output[-1] for req in plan.decodes]
+            pos += [len(req.prompt) + len(req.output) - 1 for req in plan.decodes]
         dev = self.cache.pool.device
-        attn = StepAttention(self.cache, plan, self.decode_backend, self.prefill_backend, self.scale)
+        attn = StepAttention(self.cache, plan, self.decode_backend, self.prefill_backend, self.scale,
+                             self.workspace)
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
                                     torch.tensor(pos, dtype=torch.long, device=dev), attn)  # [T, H]
         self.tokens_computed += len(ids)
         if not sample_rows:
             return hidden.new_zeros(0, 0, dtype=torch.float32), []
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, rows)), sample_reqs
+        if len(sample_rows) < len(ids):
+            hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=hidden.device))
+        return self.model.compute_logits(hidden), sample_reqs

@@ -32,9 +32,10 @@ class Sampler:
         n = logits.shape[0]
         out = [0] * n
         greedy = [i for i in range(n) if params[i].greedy]
-        if greedy:
-            idx = torch.tensor(greedy)
-            picks = logits.index_select(0, idx).argmax(-1).tolist()
+        if greedy and len(greedy) == n:
+            out = logits.argmax(-1).tolist()
+        elif greedy:
+            picks = logits.index_select(0, torch.tensor(greedy)).argmax(-1).tolist()
             for i, t in zip(greedy, picks, strict=True):
                 out[i] = t
         for i in range(n):

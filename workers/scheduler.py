@@ -153,7 +153,8 @@ class Scheduler:
         out: list[Request] = []
         self._slots = {}
         for req in list(self.running):
-            if req not in self.running or req.prefilling or len(out) >= budget:
+            # preempted in this loop (identity check: Request equality compares every field)
+            if id(req) in self._preempted_now or req.prefilling or len(out) >= budget:
                 continue
             while True:
                 try:
@@ -168,7 +169,7 @@ class Scheduler:
                         break
                     if victim in out:
                         out.remove(victim)
-            if req in self.running:
+            if id(req) not in self._preempted_now:
                 req.num_computed += 1
                 out.append(req)
         return out
