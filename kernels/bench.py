@@ -240,6 +240,8 @@ def main(argv: list[str]) -> int:
     for n_p in sorted({n for n, _ in configs}):
         group = [cfg for cfg in configs if cfg[0] == n_p]
         raw += run_group(group, args, timer, gen)
+        print(f"  n_p={n_p}: " + ", ".join(f"n_s={r['n_s']} paged {r['paged_us']:.0f} µs TPP {r['tpp_us']:.0f} µs"
+                                        for r in raw if r["n_p"] == n_p), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         rates.append(measure_machine(device, DTYPES[args.dtype], timer, args.copy_mib, args.matmul_n))
