@@ -218,7 +218,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error("--backend triton needs --device cuda (the interpreter is far too slow to benchmark)")
     if args.dtype == "bf16" and args.backend == "triton" and not cuda:
         p.error("bf16 triton needs a GPU")
-    args.repeats = args.repeats or (3 if args.quick else 7) * (1 if not cuda else 3)
+    args.repeats = args.repeats or (3 if args.quick else 7)
     args.warmup = 1 if args.warmup is None else args.warmup
     args.kv_sets = args.kv_sets or (4 if cuda else 1)
     args.inner = 5 if cuda else 1

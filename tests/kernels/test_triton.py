@@ -20,7 +20,7 @@ from chunkserve.kernels.tpp_triton import tpp_decode_triton  # noqa: E402
 
 DEV = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
-EXAMPLES = 40 if ON_GPU else 15
+EXAMPLES = 15
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
