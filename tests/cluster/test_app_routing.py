@@ -34,6 +34,7 @@ serve = pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-routing"
+NS = "approuting"  # Redis namespace of the app's index (AppConfig.namespace: router, workers and stats)
 CHUNK = 16
 SYS_TOKENS = 512  # 32 full chunks per system prompt
 SUFFIX_TOKENS = 8  # unique user turn: less than a chunk, so only the system prompt is cacheable
@@ -83,7 +84,8 @@ def _deploy(name: str, route: str, router: str, redis_url: str, tenants: Path) -
     """Deploy the app under ``route``; -> its two worker ids (the ids they publish to the index under)."""
     from chunkserve.router.app import AppConfig, build_app
 
-    cfg = AppConfig(model="random:tiny", model_name=MODEL, workers=2, redis_url=redis_url, tenants=str(tenants),
+    cfg = AppConfig(model="random:tiny", model_name=MODEL, workers=2, redis_url=redis_url, namespace=NS,
+                    tenants=str(tenants),
                     request_router=router, router={"policy": SPILL, "reader": {"timeout_s": 0.05}},
                     engine={"chunk_size": CHUNK, "num_kv_chunks": POOL_CHUNKS, "max_model_len": 1024})
     serve.run(build_app(cfg), name=name, route_prefix=route)
@@ -145,7 +147,7 @@ def _rate_vs_oracle(results: list[tuple[str, int]]) -> float:
 
 
 def _holders(redis_url: str, chain: list[int], workers: list[str]) -> set[str]:
-    idx = PrefixIndex(redis_url)
+    idx = PrefixIndex(redis_url, namespace=NS)
     try:
         return {w for w, n in idx.longest_prefixes(chain, workers).items() if n == len(chain)}
     finally:

@@ -41,11 +41,13 @@ serve = pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-2nodes"
+NS = "twonodes"  # Redis namespace of the app's index (AppConfig.namespace)
 CHUNK = 16
 SYS_TOKENS = 256
 TENANTS = ["acme", "globex", "initech"]
-# A test cluster reachable only from this machine, without Ray's token auth (the driver and both nodes agree;
-# a local ray.init earlier in the session may have switched this process to token mode).
+# Ray's token auth: the nodes must use the mode this (driver) process is in. That is "disabled" in a fresh
+# process, and "token" (with ~/.ray/auth_token) once a local ray.init in this process enabled it: Ray then
+# sets RAY_AUTH_MODE here, and the mode it read cannot be changed back within the process.
 AUTH_ENV = "RAY_AUTH_MODE"
 RAY = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "ray")
 
@@ -71,7 +73,7 @@ class Node:
         self.log = open(Path(self.temp_dir) / "ray_start.log", "w")  # noqa: SIM115 (closed in stop())
         cmd = [RAY, "start", "--block", "--disable-usage-stats", "--temp-dir", self.temp_dir,
                "--object-store-memory", str(100 * 1024 * 1024), *_ports(), *args]
-        env = {**os.environ, AUTH_ENV: "disabled"}
+        env = {**os.environ, AUTH_ENV: os.environ.get(AUTH_ENV) or "disabled"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def stop(self) -> None:
@@ -153,8 +155,6 @@ def app(two_nodes: str, redis_server: RedisServer, tmp_path_factory: pytest.Temp
     tenants = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
     tenants.write_text(yaml.safe_dump({"tenants": [
         {"id": t, "api_key_sha256": [hash_api_key(f"sk-{t}")]} for t in TENANTS]}))
-    mp = pytest.MonkeyPatch()
-    mp.setenv(AUTH_ENV, "disabled")
     try:
         ray.init(address=two_nodes, log_to_driver=False)
         alive = _wait_nodes(2, timeout_s=90)
@@ -162,7 +162,7 @@ def app(two_nodes: str, redis_server: RedisServer, tmp_path_factory: pytest.Temp
         port = _free_port()
         serve.start(proxy_location=ProxyLocation.HeadOnly, http_options=HTTPOptions(host="127.0.0.1", port=port))
         cfg = AppConfig(model="random:tiny", model_name=MODEL, workers=2, redis_url=redis_server.url,
-                        tenants=str(tenants), worker_resources={"worker_slot": 1},
+                        namespace=NS, tenants=str(tenants), worker_resources={"worker_slot": 1},
                         engine={"chunk_size": CHUNK, "num_kv_chunks": 128, "max_model_len": 512})
         serve.run(build_app(cfg), name="chunkserve", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
@@ -172,7 +172,6 @@ def app(two_nodes: str, redis_server: RedisServer, tmp_path_factory: pytest.Temp
                 serve.shutdown()
         finally:
             ray.shutdown()
-            mp.undo()
 
 
 def _worker_stats() -> dict[str, dict[str, Any]]:
@@ -224,7 +223,7 @@ def test_workers_on_both_nodes_serve_tenants_routed_by_prefix(app: str, redis_se
         HTTPClient(app, api_key="sk-nobody", model=MODEL, timeout=60).complete([1, 2, 3], max_tokens=1)
 
     time.sleep(0.3)  # the last publish lands
-    idx = PrefixIndex(redis_server.url)
+    idx = PrefixIndex(redis_server.url, namespace=NS)
     try:
         assert set(idx.live_workers()) == set(stats)
         holders = {t: {w for w, n in idx.longest_prefixes(hash_chain(p, CHUNK, t.encode()), stats).items()
