@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chunkserve.router.ingress import HandleEngineClient, Ingress, IngressConfig
 from chunkserve.router.tenants import load_tenants
@@ -47,6 +47,15 @@ class AppConfig(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig fields (chunk_size, dtype, ...)
     router: dict[str, Any] = Field(default_factory=dict)  # PrefixAwareRouter kwargs (policy, reader, ...)
     max_ongoing_requests: int = 64
+
+    @model_validator(mode="after")
+    def _one_index_location(self) -> AppConfig:
+        """The workers and the ingress use ``redis_url``/``namespace`` too: a router-only value would split them."""
+        clash = sorted({"redis_url", "namespace"} & set(self.router))
+        if clash:
+            raise ValueError(f"set {clash} as top-level AppConfig fields, not in router= (the workers publish "
+                             f"to the index and the ingress reads their stats there too)")
+        return self
 
     def resolved_redis_url(self) -> str | None:
         return self.redis_url or os.environ.get("CHUNKSERVE_REDIS_URL") or None

@@ -222,3 +222,14 @@ def test_hot_tenant_burst_spills_and_no_replica_takes_more_than_its_share(
           f"cached {sum(cached)} tokens")
     assert _holders(redis_server.url, chain, workers) == set(workers), "the hot prefix never spilled"
     assert share <= MAX_SHARE, served
+
+
+def test_router_kwargs_cannot_point_the_router_at_another_index() -> None:
+    """Workers publish to (redis_url, namespace): a router-only namespace would silently lose every hit."""
+    from chunkserve.router.app import AppConfig
+
+    with pytest.raises(ValueError, match="top-level AppConfig fields"):
+        AppConfig(router={"namespace": "elsewhere"})
+    with pytest.raises(ValueError, match="top-level AppConfig fields"):
+        AppConfig(router={"redis_url": "redis://127.0.0.1:1/0"})
+    assert AppConfig(router={"policy": SPILL}, namespace=NS).router == {"policy": SPILL}
