@@ -180,3 +180,27 @@ def test_shared_run_layouts(shared, backend):
     ref = torch.stack([sdpa_reference(q[i], *[x.cpu() for x in tree.gather(i)], 0.125) for i in range(3)])
     o = chunk_attention(q.to(dev), tree, [0, 1, 2], backend=backend).cpu()
     assert float((o.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_reused_workspace_gives_fresh_results_that_do_not_alias_it(cache_tree, check):
+    from chunkserve.kernels import Workspace, decode_attention
+
+    ws = Workspace()
+    results = []
+    for seed, (hq, hkv, d) in enumerate([(4, 2, 64), (9, 3, 128), (4, 2, 64)]):
+        tree = cache_tree(seed + 40, hkv, d, 16, torch.float32, device="cpu")
+        ids = tree.grow(5, max_len=50)
+        ctx = tree.cache.context(ids)
+        q = torch.randn(len(ids), hq, d, generator=tree.gen)
+        q_sorted = q.index_select(0, ctx.order)
+        ref = tree.reference(q_sorted, [ids[i] for i in ctx.order.tolist()], d**-0.5)
+        for backend in ("torch", "paged-torch"):
+            o = decode_attention(q_sorted, tree.cache.k_pool[0], tree.cache.v_pool[0], ctx, backend=backend,
+                                 workspace=ws)
+            assert check.rel_err(o, ref) < 1e-5
+            results.append((o, o.clone()))
+            out = torch.empty_like(q_sorted)
+            decode_attention(q_sorted, tree.cache.k_pool[0], tree.cache.v_pool[0], ctx, backend=backend, out=out,
+                             workspace=ws)
+            assert check.rel_err(out, ref) < 1e-5
+    assert all(torch.equal(o, kept) for o, kept in results)  # later calls did not overwrite earlier outputs
