@@ -128,6 +128,19 @@ def test_bf16_forward_tracks_fp32() -> None:
     assert (low - ref).abs().max().item() < 0.05 * ref.abs().max().item()
 
 
+def test_bf16_prepacked_weights_give_identical_logits() -> None:
+    hf = _hf_llama(9, 3, 64, 576, tie=True)
+    ids = torch.randint(0, VOCAB, (33,), generator=torch.Generator().manual_seed(6))
+    ours = _ours(hf, torch.bfloat16)
+    plain = _logits(ours, ids)
+    if not ours.prepack():
+        pytest.skip("this CPU/ATen build has no oneDNN bf16 packed linear")
+    assert ours._packed is not None and len(ours._packed) == ours.config.num_layers
+    assert torch.equal(_logits(ours, ids), plain)
+    fp32 = _ours(hf)
+    assert not fp32.prepack() and fp32._packed is None  # fp32 keeps transformers' matmul path
+
+
 def test_random_model_is_seeded_and_state_dict_roundtrips() -> None:
     cfg = preset_config("tiny")
     m1 = CausalLM.random(cfg, seed=7)
