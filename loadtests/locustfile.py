@@ -149,6 +149,9 @@ def _drain(environment: Environment, **_: Any) -> None:
         for _ in range(left):
             environment.events.request.fire(request_type=METRIC, name="drain_timeout", response_time=0,
                                             response_length=0, exception=RuntimeError("open at drain timeout"))
+            if st.log is not None:  # so that summaries count them as failed requests
+                st.log.write(json.dumps({"tenant": "?", "proto": "?", "start": time.time(), "ok": False,
+                                         "error": "open at drain timeout", "e2e": 0.0}) + "\n")
     if st.log is not None:
         st.log.close()
         st.log = None
@@ -194,6 +197,9 @@ class _TenantMixin:
         if self.opts.arrival == "poisson" and len(self.inflight) >= self.opts.max_inflight:
             self.environment.events.request.fire(request_type=METRIC, name="arrival_dropped", response_time=0,
                                                  response_length=0, exception=RuntimeError("in-flight cap"))
+            if st.log is not None:
+                st.log.write(json.dumps({"tenant": self.tenant.tenant_id, "proto": "?", "start": time.time(),
+                                         "ok": False, "error": "arrival dropped (in-flight cap)", "e2e": 0.0}) + "\n")
             return
         g = gevent.spawn(fn)
         st.inflight.add(g)  # the run-wide drain waits for it even when this user is stopped
