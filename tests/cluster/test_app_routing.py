@@ -123,14 +123,15 @@ def _system_prompts(workers: list[str]) -> dict[str, list[int]]:
     return prompts
 
 
-def _run(base: str, prompts: dict[str, list[int]], order: list[str], seed: int) -> list[tuple[str, int]]:
+def _run(base: str, prompts: dict[str, list[int]], order: list[str], seed: int, max_tokens: int = 2
+         ) -> list[tuple[str, int]]:
     """Send the requests one by one: -> (tenant, cached prompt tokens) per request."""
     rng = random.Random(seed)
     out = []
     for t in order:
         client = HTTPClient(base, api_key=f"sk-{t}", model=MODEL, timeout=60)
         suffix = [rng.randrange(40_001, 49_000) for _ in range(SUFFIX_TOKENS)]
-        resp = client.complete(prompts[t] + suffix, max_tokens=2, temperature=0.0)
+        resp = client.complete(prompts[t] + suffix, max_tokens=max_tokens, temperature=0.0)
         assert resp["usage"]["prompt_tokens"] == SYS_TOKENS + SUFFIX_TOKENS
         out.append((t, resp["usage"]["prompt_tokens_details"]["cached_tokens"]))
     return out
@@ -208,7 +209,7 @@ def test_hot_tenant_burst_spills_and_no_replica_takes_more_than_its_share(
     _run(base, prompts, [hot], seed=2)  # warm one replica with the hot prefix
 
     def one(i: int) -> int:
-        return _run(base, prompts, [order[i]], seed=100 + i)[0][1]
+        return _run(base, prompts, [order[i]], seed=100 + i, max_tokens=8)[0][1]  # long enough to overlap
 
     with ThreadPoolExecutor(max_workers=len(order)) as pool:
         cached = list(pool.map(one, range(len(order))))
