@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    if args.address and not args.redis_url:
+        logger.warning("--address without --redis-url: the Redis started here listens on 127.0.0.1 only, so "
+                       "workers on other machines cannot publish to the prefix index (routing then falls back to "
+                       "rendezvous + load); pass --redis-url redis://<reachable host>:<port>/0 for a multi-machine cluster")
     with redis_for(args.redis_url) as redis_url:
         try:
             t0 = time.perf_counter()
