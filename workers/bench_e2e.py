@@ -62,6 +62,7 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], n_c: int, share: b
     start = time.perf_counter()
     added, first, done = 0, {}, {}
     decode_time, decode_tokens, decode_steps, peak_batch = 0.0, 0, 0, 0
+    step_rates: list[float] = []  # tokens/s of each pure decode step (the median resists load bursts)
     while len(done) < len(prompts):
         now = time.perf_counter() - start
         while added < len(prompts) and arrivals[added] <= now:
@@ -80,6 +81,7 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], n_c: int, share: b
             decode_time += dt
             decode_tokens += n_dec
             decode_steps += 1
+            step_rates.append(n_dec / dt)
         peak_batch = max(peak_batch, n_dec)
         t_now = time.perf_counter() - start
         for o in outs:
@@ -92,6 +94,7 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], n_c: int, share: b
     return {"total_s": total, "ttft_s": statistics.fmean(first.values()), "ttft_max_s": max(first.values()),
             "decode_ms_per_token": 1e3 * decode_time / max(1, decode_steps),
             "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
+            "decode_tok_s_median": statistics.median(step_rates) if step_rates else 0.0,
             "tok_s": len(prompts) * n_c / total, "peak_kv_bytes": st["peak_kv_bytes"], "peak_batch": peak_batch,
             "cached_tokens": st["prefix_cached_tokens"], "decode_steps": decode_steps}
 
@@ -127,8 +130,10 @@ def run_hf(prompts: list[list[int]], n_c: int, dtype: torch.dtype) -> dict[str, 
     kv = (2 * cfg.num_hidden_layers * len(prompts) * (len(prompts[0]) + n_c) * cfg.num_key_value_heads * head_dim
           * torch.finfo(dtype).bits // 8)
     dec = clock.times[-1] - clock.times[0]
+    rates = [len(prompts) / (b - a) for a, b in zip(clock.times, clock.times[1:], strict=False)]
     return {"total_s": total, "ttft_s": clock.times[0] - t0, "ttft_max_s": clock.times[0] - t0,
             "decode_ms_per_token": 1e3 * dec / (n_c - 1), "decode_tok_s": len(prompts) * (n_c - 1) / dec,
+            "decode_tok_s_median": statistics.median(rates),
             "tok_s": len(prompts) * n_c / total, "peak_kv_bytes": kv, "peak_batch": len(prompts),
             "cached_tokens": 0, "decode_steps": n_c - 1}
 
@@ -161,6 +166,33 @@ def ttft_cached_vs_uncached(loaded: LoadedModel, n_p: int, chunk: int, threads: 
     return {"ttft_uncached_s": u, "ttft_cached_s": c, "speedup": u / c}
 
 
+def interleaved_decode(loaded: LoadedModel, b: int, n_p: int, n_s: int, chunk: int, threads: int | None,
+                       steps: int = 10) -> dict[str, float]:
+    """Median decode step time of TPP and paged on the same prompts, their steps alternated.
+
+    Both engines prefill first; then one decode step of each in turn, so both see the same load
+    (for a noisy shared machine, where back-to-back runs see different load)."""
+    prompts = make_prompts(b, n_p, n_s, loaded.config.vocab_size, 3)
+    n_c = steps + 2
+    cores = {}
+    for name, share in (("tpp", True), ("paged", False)):
+        core = EngineCore(engine_config(loaded, prompts, n_c, share, chunk, threads), loaded=loaded)
+        for i, p in enumerate(prompts):
+            core.add_request(str(i), p, SamplingParams(max_tokens=n_c, temperature=0.0, ignore_eos=True))
+        while core.scheduler.waiting or any(r.prefilling or not r.output for r in core.scheduler.running):
+            core.step()
+        cores[name] = core
+    times: dict[str, list[float]] = {k: [] for k in cores}
+    for _ in range(steps):
+        for name, core in cores.items():
+            t0 = time.perf_counter()
+            core.step()
+            times[name].append(time.perf_counter() - t0)
+    tpp, paged = statistics.median(times["tpp"]), statistics.median(times["paged"])
+    return {"b": b, "n_p": n_p, "n_s": n_s, "tpp_step_ms": 1e3 * tpp, "paged_step_ms": 1e3 * paged,
+            "tpp_speedup": paged / tpp}
+
+
 def warm_up(loaded: LoadedModel, chunk: int, threads: int | None) -> None:
     """A short run of both attention paths, so one-time costs do not land on the first system."""
     prompts = make_prompts(4, 200, 128, loaded.config.vocab_size, 5)
@@ -181,22 +213,36 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the n_s=n_p burst rows of the smallest n_p in this dtype ('' for none)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-poisson", action="store_true")
+    ap.add_argument("--interleaved", type=int, nargs=2, metavar=("N_P", "N_S"),
+                    help="only the interleaved TPP-vs-paged decode check at (n_p, n_s), --batch rows")
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     b, n_c = (16, 32) if args.quick else (args.batch, args.n_c)
     n_ps = [1024] if args.quick else [1024, 2048]
     torch.set_num_threads(args.threads)
+    if args.interleaved:
+        res = interleaved_decode(load_model(None, dtype=args.dtype), args.batch, *args.interleaved,
+                                 args.chunk_size, args.threads)
+        print(f"{args.dtype} b={res['b']} n_p={res['n_p']} n_s={res['n_s']}: median decode step TPP "
+              f"{res['tpp_step_ms']:.1f} ms, paged {res['paged_step_ms']:.1f} ms -> TPP x{res['tpp_speedup']:.2f} "
+              f"(load {os.getloadavg()[0]:.1f})")
+        return 0
     load = os.getloadavg()
     print(f"b={b} n_c={n_c} chunk={args.chunk_size} threads={args.threads} dtype={args.dtype} "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     loaded = load_model(None, dtype=args.dtype)
     warm_up(loaded, args.chunk_size, args.threads)
     rows: list[dict[str, Any]] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"b": b, "n_c": n_c, "chunk_size": args.chunk_size, "threads": args.threads,
+            "load_avg_start": [round(x, 2) for x in load], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
     def record(n_p: int, n_s: int, system: str, arrivals: str, dtype: str, res: dict[str, Any]) -> None:
         rows.append({"n_p": n_p, "n_s": n_s, "system": system, "arrivals": arrivals, "dtype": dtype,
                      "load_avg_1m": round(os.getloadavg()[0], 2), **res})
         print_row(rows[-1])
+        (out / "bench_e2e.partial.json").write_text(json.dumps({"rows": rows, **meta}, indent=2))
 
     def burst(ld: LoadedModel, dtype: str, n_p: int, n_s: int, hf: bool) -> None:
         prompts = make_prompts(b, n_p, n_s, ld.config.vocab_size, seed=n_p + n_s)
@@ -229,12 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(extra, args.chunk_size, args.threads)
         burst(extra, args.extra_dtype, n_ps[0], n_ps[0], not args.no_hf)
     summarize(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"b": b, "n_c": n_c, "chunk_size": args.chunk_size, "threads": args.threads,
-            "load_avg_start": [round(x, 2) for x in load], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    meta["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     (out / "bench_e2e.json").write_text(json.dumps({"rows": rows, "ttft": ttft, **meta}, indent=2))
+    (out / "bench_e2e.partial.json").unlink(missing_ok=True)
     plot(rows, out / "bench_e2e.png")
     print(f"wrote {out / 'bench_e2e.json'}")
     return 0
@@ -242,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_row(r: dict[str, Any]) -> None:
     print(f"n_p={r['n_p']:5d} n_s={r['n_s']:5d} {r['arrivals']:12s} {r['dtype']:8s} {r['system']:18s} "
-          f"decode {r['decode_ms_per_token']:8.1f} ms/tok  {r['decode_tok_s']:7.1f} dec tok/s  "
+          f"decode {r['decode_ms_per_token']:8.1f} ms/tok  {r['decode_tok_s']:7.1f} dec tok/s "
+          f"(median step {r['decode_tok_s_median']:7.1f})  "
           f"{r['tok_s']:7.1f} tok/s  TTFT {r['ttft_s']:6.2f} s  peak KV {r['peak_kv_bytes'] / 2**20:8.1f} MiB  "
           f"batch {r['peak_batch']}  (load {r['load_avg_1m']:.1f})", flush=True)
 
@@ -262,11 +306,18 @@ def summarize(rows: list[dict[str, Any]]) -> None:
                 h = get(n_p, n_s, "hf-generate", dtype)
                 if not a or not b_:
                     continue
-                line = (f"  {dtype} n_p={n_p} n_s={n_s}: decode tok/s x{a['decode_tok_s'] / b_['decode_tok_s']:.2f}, "
+                line = (f"  {dtype} n_p={n_p} n_s={n_s}: decode tok/s x{_ratio(a, b_)}, "
                         f"peak KV -{100 * (1 - a['peak_kv_bytes'] / b_['peak_kv_bytes']):.1f}%")
                 if h:
-                    line += f", decode tok/s vs HF x{a['decode_tok_s'] / h['decode_tok_s']:.2f}"
+                    line += f", decode tok/s vs HF x{_ratio(a, h)}"
                 print(line)
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Mean decode tok/s ratio, and in brackets the ratio of the per-step medians."""
+    mean = a["decode_tok_s"] / b["decode_tok_s"] if b["decode_tok_s"] else float("nan")
+    med = a["decode_tok_s_median"] / b["decode_tok_s_median"] if b["decode_tok_s_median"] else float("nan")
+    return f"{mean:.2f} (median steps x{med:.2f})"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
