@@ -34,7 +34,18 @@ class StepAttention:
         self.workspace = workspace
         # flat slot of every new token in a layer's pool viewed as [Hkv, N*c, D]
         self.slots = torch.tensor([ch * c + off for ch, off in zip(plan.slot_chunks, plan.slot_offsets, strict=True)],
-                                  dtype=torch.long, device=dev)  # [T]
+                                  dtype=torch.long, device=dev)  # [T_write]
+        # rows that write K/V (all but the logits-only rows of fully cached prompts)
+        self.write_rows: torch.Tensor | None = None
+        if any(not p.write for p in plan.prefills):
+            rows: list[int] = []
+            r = 0
+            for p in plan.prefills:
+                if p.write:
+                    rows += range(r, r + len(p.tokens))
+                r += len(p.tokens)
+            rows += range(r, r + len(plan.decodes))
+            self.write_rows = torch.tensor(rows, dtype=torch.long, device=dev)
         self.num_prefill = sum(len(p.tokens) for p in plan.prefills)
         self.ctx: ChunkContext | None = plan.decode_ctx  # type: ignore[assignment]
         if plan.prefills:
@@ -62,6 +73,8 @@ class StepAttention:
         kp, vp = self.cache.k_pool[layer], self.cache.v_pool[layer]  # [Hkv, N, c, D] (contiguous)
         hkv, n, c, d = kp.shape
         # the same scatter as `cache.write`, as one index_copy_ per pool on the flat slot index
+        if self.write_rows is not None:
+            k, v = k.index_select(0, self.write_rows), v.index_select(0, self.write_rows)
         kp.view(hkv, n * c, d).index_copy_(1, self.slots, k.transpose(0, 1).to(kp.dtype))
         vp.view(hkv, n * c, d).index_copy_(1, self.slots, v.transpose(0, 1).to(vp.dtype))
         if self.cache.pending_copies:

@@ -50,7 +50,8 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt) + max(0, len(self.output) - 1)
+        """Still before its first sampled token, or recomputing after a preemption."""
+        return not self.output or self.num_computed < len(self.prompt) + len(self.output) - 1
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class PrefillPiece:
     start: int  # position of the first new token
     tokens: list[int]
     samples: bool  # this piece ends the prompt: sample the next token from its last row
+    write: bool = True  # False: a fully cached prompt's last token, run for its logits only (its K/V are cached)
 
 
 @dataclass
@@ -195,8 +197,8 @@ class Scheduler:
         need_chunks = -(-(need_tokens - cached) // c) + 1
         if need_chunks + self._reserved_chunks() > self.cache.pool.num_free + self.cache.num_evictable:
             return False
-        max_cached = len(tokens) - 1 if not req.output else len(tokens)
-        req.seq_id, got = self.cache.reserve(tokens, req.salt, max_cached=max_cached)
+        # A fully cached prompt stays shared: its last token then runs as a logits-only row (no K/V write).
+        req.seq_id, got = self.cache.reserve(tokens, req.salt)
         if req.num_cached < 0:
             req.num_cached = got
         req.num_computed = got
@@ -218,7 +220,10 @@ class Scheduler:
         tokens = req.all_tokens if not req.output else req.all_tokens[:-1]
         n = min(budget, len(tokens) - req.num_computed)
         if n <= 0:
-            return 0
+            if req.output or budget <= 0:
+                return 0
+            plan.prefills.append(PrefillPiece(req, len(tokens) - 1, tokens[-1:], True, write=False))
+            return 1
         try:
             chunks, offsets = self.cache.extend(req.seq_id, n)
         except KVCacheFull:

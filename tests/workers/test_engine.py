@@ -154,3 +154,28 @@ def test_seeded_sampling_is_reproducible_and_stop_token_ids_stop(hf_dir) -> None
     c = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50,
                                                      seed=42, stop_token_ids=(stop_at,)))[0]
     assert c.token_ids == a[:first + 1] and c.finish_reason == "stop"
+
+
+def test_fully_cached_prompt_stays_shared_and_runs_its_last_token_for_logits_only(hf_dir) -> None:
+    path, hf = hf_dir
+    prompt = [(11 * i) % 500 + 1 for i in range(64)]  # exactly 4 chunks of 16
+    expected = hf_greedy(hf, prompt, GREEDY.max_tokens)
+    core = EngineCore(EngineConfig(model=path, chunk_size=16, num_kv_chunks=64))
+    for rid in ("first", "second"):
+        core.add_request(rid, prompt, GREEDY)
+    got: dict[str, list[int]] = {}
+    peak_used = 0
+    while core.has_work():
+        for out in core.step():
+            got.setdefault(out.req.request_id, []).extend(out.token_ids)
+        peak_used = max(peak_used, core.stats()["kv_chunks_used"])
+    assert got["first"] == expected and got["second"] == expected
+    # 4 shared prompt chunks + one decode chunk per request (10 tokens each): no private prompt copy
+    assert peak_used == 4 + 2
+    core.add_request("third", prompt, GREEDY)
+    before = core.runner.tokens_computed
+    while core.has_work():
+        for out in core.step():
+            got.setdefault(out.req.request_id, []).extend(out.token_ids)
+    assert got["third"] == expected
+    assert core.runner.tokens_computed - before == GREEDY.max_tokens  # the logits-only row + 9 decodes
