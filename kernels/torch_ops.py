@@ -26,6 +26,12 @@ class Workspace:
 
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
+        # Per-step memo of values derived from a context (e.g. the private-chunk table), which are the
+        # same for every layer of a step. The owner calls `new_step()` whenever contexts may change.
+        self.memo: dict[tuple, object] = {}
+
+    def new_step(self) -> None:
+        self.memo.clear()
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = 1

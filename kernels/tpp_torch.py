@@ -89,7 +89,12 @@ def tpp_decode_torch(
     dev = q_sorted.device
     ws = workspace or Workspace()
     qf = q_sorted.float()  # [b, Hq, D]
-    table, tokens, counts = private_table(ctx)
+    # the table is the same for every layer of a step: memoised per context (holding the context, so
+    # its id cannot be reused while the entry lives); owners clear the memo when token counts change
+    hit = ws.memo.get(("private_table", id(ctx)))
+    if hit is None or hit[0] is not ctx:  # type: ignore[index]
+        hit = ws.memo[("private_table", id(ctx))] = (ctx, private_table(ctx))
+    table, tokens, counts = hit[1]  # type: ignore[index]
     group = group_size(counts, b, hkv, c, d, k_pool_l.element_size())
     slots = ctx.num_runs + num_groups(counts, group)
     # one shared run over every row and nothing private (full sharing): its partial is the answer

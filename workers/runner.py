@@ -32,6 +32,8 @@ class StepAttention:
         self.decode_backend = decode_backend
         self.prefill_backend = prefill_backend
         self.workspace = workspace
+        if workspace is not None:
+            workspace.new_step()  # contexts' token counts are refreshed in place between steps
         # flat slot of every new token in a layer's pool viewed as [Hkv, N*c, D]
         self.slots = torch.tensor([ch * c + off for ch, off in zip(plan.slot_chunks, plan.slot_offsets, strict=True)],
                                   dtype=torch.long, device=dev)  # [T_write]
