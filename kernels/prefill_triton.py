@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from chunkserve.kernels.tpp_triton import check_triton_inputs, dot_modes
+from chunkserve.kernels.tpp_triton import _chunk_update, check_triton_inputs, dot_modes
 
 
 @triton.jit
@@ -45,31 +45,9 @@ def _prefill_kernel(Q, K, V, Out, table, tokens, block_pos, q_start, cu_q, scale
             if (nt > 0) & (pos0 < max_pos):
                 ch = tl.load(table + b * width + jj).to(tl.int64)
                 base = h.to(tl.int64) * stride_kh + ch * stride_kn
-                for t0 in tl.static_range(0, CHUNK, BLOCK_N):
-                    if t0 < nt:
-                        offs_n = t0 + tl.arange(0, BLOCK_N)
-                        mask_n = offs_n < nt
-                        kv_mask = mask_n[:, None] & dmask[None, :]
-                        ptrs = base + offs_n[:, None] * stride_kt + offs_d[None, :]
-                        k = tl.load(K + ptrs, mask=kv_mask, other=0.0)
-                        if QK_NATIVE:
-                            s = tl.dot(q, tl.trans(k))
-                        else:
-                            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                        ok = mask_n[None, :] & ((pos0 + offs_n)[None, :] <= q_pos[:, None])
-                        s = tl.where(ok, s * scale, float("-inf"))
-                        m_new = tl.maximum(m_i, tl.max(s, 1))
-                        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                        alpha = tl.exp(m_i - m_safe)
-                        p = tl.exp(s - m_safe[:, None])
-                        l_i = l_i * alpha + tl.sum(p, 1)
-                        v = tl.load(V + ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-                        if PV_TF32:
-                            pv = tl.dot(p, v, input_precision="tf32")
-                        else:
-                            pv = tl.dot(p, v, input_precision="ieee")
-                        acc = acc * alpha[:, None] + pv
-                        m_i = m_new
+                acc, m_i, l_i = _chunk_update(q, acc, m_i, l_i, K + base, V + base, nt, offs_d, dmask, scale,
+                                              stride_kt, CHUNK, BLOCK_N, QK_NATIVE, PV_TF32, pos0, q_pos,
+                                              CAUSAL=True)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o_ptrs = Out + (t_lo + tok[:, None]).to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=qmask)

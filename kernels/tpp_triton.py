@@ -26,8 +26,12 @@ from chunkserve.kernels.context import ChunkContext
 @triton.jit
 def _chunk_update(q, acc, m_i, l_i, k_base, v_base, nt, offs_d, dmask, scale, stride_kt,
                   CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, QK_NATIVE: tl.constexpr,
-                  PV_TF32: tl.constexpr):
-    """Online-softmax update of (acc, m, l) with the first ``nt`` tokens of one chunk."""
+                  PV_TF32: tl.constexpr, pos0=0, q_pos=0, CAUSAL: tl.constexpr = False):
+    """Online-softmax update of (acc, m, l) with the first ``nt`` tokens of one chunk.
+
+    CAUSAL (prefill): the chunk's first token sits at position ``pos0`` and query row r at
+    ``q_pos[r]``; keys after a row's position are masked.
+    """
     for t0 in tl.static_range(0, CHUNK, BLOCK_N):
         if t0 < nt:
             offs_n = t0 + tl.arange(0, BLOCK_N)
@@ -39,7 +43,10 @@ def _chunk_update(q, acc, m_i, l_i, k_base, v_base, nt, offs_d, dmask, scale, st
                 s = tl.dot(q, tl.trans(k))
             else:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            s = tl.where(mask_n[None, :], s * scale, float("-inf"))
+            ok = mask_n[None, :]
+            if CAUSAL:
+                ok = ok & ((pos0 + offs_n)[None, :] <= q_pos[:, None])
+            s = tl.where(ok, s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
