@@ -100,7 +100,7 @@ class EngineCore:
         if len(ids) + 1 > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the context length {self.max_model_len}")
         c = self.cache.chunk_size
-        usable = self.cache.pool.num_chunks - len([1 for n in self.cache._nodes.values() if n.pinned])
+        usable = self.cache.pool.num_chunks - self.cache.num_pinned_chunks
         if -(-(len(ids) + 1) // c) > usable:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the KV pool ({usable * c} tokens)")
         req = Request(request_id, ids, params, salt, arrival=time.monotonic())

@@ -46,6 +46,7 @@ class PrefixTree:
         self._evictable: list[tuple[int, int, Node]] = []  # heap of (last_access, chunk, node)
         self._num_cached = 0  # nodes with ref == 0
         self._num_pinned_cached = 0
+        self.num_pinned_chunks = 0  # nodes with at least one pin (never evictable)
         self._pins: dict[int, list[Node]] = {}
         self._next_pin = 0
         self.version = 0  # bumped on every structural change
@@ -186,6 +187,8 @@ class PrefixTree:
         for node in path:
             if node.ref == 0 and node.pinned == 0:
                 self._num_pinned_cached += 1
+            if node.pinned == 0:
+                self.num_pinned_chunks += 1
             node.pinned += 1
         handle = self._next_pin
         self._next_pin += 1
@@ -198,6 +201,8 @@ class PrefixTree:
             raise KeyError(f"unknown pin handle {handle!r}")
         for node in path:
             node.pinned -= 1
+            if node.pinned == 0:
+                self.num_pinned_chunks -= 1
             if node.pinned == 0 and node.ref == 0:
                 self._num_pinned_cached -= 1
                 if node.num_children == 0 and self._nodes.get(node.chunk) is node:

@@ -111,6 +111,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert not pool.is_free(ch), f"chunk {ch} is both free and in the tree"
         assert pool.num_free == N - len(self.cache._nodes)
         pinned_nodes = [n for n in self.cache._nodes.values() if n.pinned]
+        assert self.cache.num_pinned_chunks == len(pinned_nodes)
         for node in pinned_nodes:  # pinned chunks are never evicted
             assert self.cache._nodes.get(node.chunk) is node
 
