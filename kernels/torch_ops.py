@@ -11,6 +11,8 @@ up-cast to fp32 tile by tile, so a bf16/fp16 result is rounded once, at the very
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -32,6 +34,12 @@ class Workspace:
 
     def new_step(self) -> None:
         self.memo.clear()
+
+    def remember(self, key: tuple, value: object) -> None:
+        """Store a memo entry; a caller that never calls `new_step` keeps at most 64 of them."""
+        if len(self.memo) >= 64:
+            self.memo.clear()
+        self.memo[key] = value
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = 1
@@ -133,6 +141,55 @@ def num_groups(counts: list[int], group: int) -> int:
     return -(-max(counts, default=0) // group)
 
 
+@dataclass(frozen=True)
+class _GroupPlan:
+    """What `dense_chunk_pass` needs for one position group; the same for every layer of a step."""
+
+    p0: int
+    gsz: int  # chunk positions in the group
+    rows: torch.Tensor | None  # [n_act] int64 active rows, None when every row is active
+    flat: torch.Tensor  # [n_act * gsz * c] int64 token slots of the pool viewed as [Hkv, N*c, D]
+    holes: torch.Tensor | None  # [n_holes] int64 gathered slots to zero (a row with no valid slot)
+    bias: torch.Tensor | None  # [n_act, 1, 1, gsz*c] fp32: 0 valid, -inf invalid
+
+
+def _group_plans(table: torch.Tensor, tokens: torch.Tensor, counts: list[int], group: int, c: int,
+                 ws: Workspace) -> list[_GroupPlan]:
+    """Per-group gather indices and masks, memoised in ``ws.memo`` (keyed by the table tensors, whose
+    contents must not change before ``ws.new_step()``)."""
+    key = ("dense_groups", id(table), id(tokens), group)
+    hit = ws.memo.get(key)
+    if hit is not None and hit[0] is table and hit[1] is tokens:  # type: ignore[index]
+        return hit[2]  # type: ignore[index,return-value]
+    b = table.shape[0]
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    ar = torch.arange(c, device=tokens.device)
+    p_max = max(counts, default=0)
+    plans = []
+    for p0 in range(0, p_max, group):
+        p1 = min(p_max, p0 + group)
+        active = torch.nonzero(counts_t > p0).flatten()
+        rows = None if int(active.numel()) == b else active.to(table.device)
+        ids = table[:, p0:p1] if rows is None else table.index_select(0, rows)[:, p0:p1]
+        tok = (tokens[:, p0:p1] if rows is None else tokens.index_select(0, rows)[:, p0:p1]).reshape(-1)
+        gsz = p1 - p0
+        ids = ids.to(torch.int64)  # [n_act, gsz]
+        bad = ar[None, :] >= tok[:, None]  # [n_act*gsz, c]: slots past a chunk's valid tokens
+        # an invalid slot reads the row's first slot of the group instead (valid: the row is active
+        # there), so the gathered buffer is finite without a zeroing pass; the bias masks it out
+        first_ok = (tok.view(-1, gsz)[:, 0] > 0).repeat_interleave(gsz)[:, None]  # [n_act*gsz, 1]
+        stand_in = (ids[:, 0] * c).repeat_interleave(gsz)[:, None]  # [n_act*gsz, 1]
+        flat = torch.where(bad & first_ok, stand_in, ids.reshape(-1, 1) * c + ar[None, :]).reshape(-1)
+        holes = torch.nonzero((bad & ~first_ok).reshape(-1)).flatten()  # rows with no valid slot: zeroed
+        bias = None
+        if bool(bad.any()):
+            bias = torch.zeros(bad.shape, dtype=torch.float32, device=tokens.device).masked_fill_(bad, float("-inf"))
+            bias = bias.view(ids.shape[0], 1, 1, gsz * c)
+        plans.append(_GroupPlan(p0, gsz, rows, flat, holes if holes.numel() else None, bias))
+    ws.remember(key, (table, tokens, plans))
+    return plans
+
+
 def dense_chunk_pass(
     q4: torch.Tensor,
     k_pool_l: torch.Tensor,
@@ -152,46 +209,34 @@ def dense_chunk_pass(
     tokens (padding has 0 tokens); counts: host list, chunks per row. Positions are processed
     ``group`` at a time: the chunks of all rows still active there are gathered into one reusable
     buffer and attended in one batched call, whose partial goes to ``part_o[k]: [b, Hkv, g, D]``,
-    ``part_lse[k]: [b, Hkv, g]`` (rows not active keep ``-inf``). Invalid slots of partly filled
-    chunks are zeroed in the buffer and masked, so NaN in free pool slots cannot leak.
+    ``part_lse[k]: [b, Hkv, g]`` (rows not active keep ``-inf``). The gather is token-granular: an
+    invalid slot of a partly filled chunk reads a valid slot of the same row in its place and is
+    masked, so NaN in free pool slots cannot leak and no zeroing pass is needed. Indices and masks
+    are built once per step (see `_group_plans`).
     """
-    b, hkv, g, d = q4.shape
+    _b, hkv, _g, d = q4.shape
     c = k_pool_l.shape[2]
-    counts_t = torch.tensor(counts, dtype=torch.int64)
-    ar = torch.arange(c, device=tokens.device)
-    for k, p0 in enumerate(range(0, max(counts, default=0), group)):
-        p1 = min(max(counts), p0 + group)
-        gsz = p1 - p0
-        active = torch.nonzero(counts_t > p0).flatten()
-        n_act = int(active.numel())
-        rows = None if n_act == b else active.to(table.device)
-        ids = table[:, p0:p1] if rows is None else table.index_select(0, rows)[:, p0:p1]
-        tok = (tokens[:, p0:p1] if rows is None else tokens.index_select(0, rows)[:, p0:p1]).reshape(-1)
-        q_a = q4 if rows is None else q4.index_select(0, rows)
-        flat_ids = ids.reshape(-1).to(torch.int64)
-        buf_shape = (hkv, n_act * gsz, c, d)
-        kb = torch.index_select(k_pool_l, 1, flat_ids, out=ws.take("gather_k", buf_shape, k_pool_l.dtype, q4.device))
-        vb = torch.index_select(v_pool_l, 1, flat_ids, out=ws.take("gather_v", buf_shape, v_pool_l.dtype, q4.device))
-        part = torch.nonzero(tok < c).flatten()
-        bias = None
-        if part.numel():  # zero the invalid slots of the few partly filled (or padding) chunks
-            bad = ar[None, :] >= tok.index_select(0, part)[:, None]  # [n_part, c]
-            for buf in (kb, vb):
-                sub = buf.index_select(1, part).masked_fill_(bad[None, :, :, None], 0.0)
-                buf.index_copy_(1, part, sub)
-            bias = torch.zeros(n_act * gsz, c, dtype=torch.float32, device=q4.device)
-            bias.index_copy_(0, part, torch.zeros(bad.shape, device=q4.device).masked_fill_(bad, float("-inf")))
-            bias = bias.view(n_act, 1, 1, gsz * c)
-        kv_shape = (hkv, n_act, gsz * c, d)
+    for k, gp in enumerate(_group_plans(table, tokens, counts, group, c, ws)):
+        n_act = gp.flat.shape[0] // (gp.gsz * c)
+        q_a = q4 if gp.rows is None else q4.index_select(0, gp.rows)
+        buf_shape = (hkv, gp.flat.shape[0], d)
+        kb = torch.index_select(k_pool_l.reshape(hkv, -1, d), 1, gp.flat,
+                                out=ws.take("gather_k", buf_shape, k_pool_l.dtype, q4.device))
+        vb = torch.index_select(v_pool_l.reshape(hkv, -1, d), 1, gp.flat,
+                                out=ws.take("gather_v", buf_shape, v_pool_l.dtype, q4.device))
+        if gp.holes is not None:
+            kb.index_fill_(1, gp.holes, 0.0)
+            vb.index_fill_(1, gp.holes, 0.0)
+        kv_shape = (hkv, n_act, gp.gsz * c, d)
         o, lse = partial_attention(
-            q_a, kb.view(kv_shape).permute(1, 0, 2, 3), vb.view(kv_shape).permute(1, 0, 2, 3), scale, bias, ws
+            q_a, kb.view(kv_shape).permute(1, 0, 2, 3), vb.view(kv_shape).permute(1, 0, 2, 3), scale, gp.bias, ws
         )
-        if rows is None:
+        if gp.rows is None:
             part_o[k].copy_(o)
             part_lse[k].copy_(lse)
         else:
-            part_o[k].index_copy_(0, rows, o)
-            part_lse[k].index_copy_(0, rows, lse)
+            part_o[k].index_copy_(0, gp.rows, o)
+            part_lse[k].index_copy_(0, gp.rows, lse)
 
 
 def combine_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,8 @@ def tpp_decode_torch(
     # its id cannot be reused while the entry lives); owners clear the memo when token counts change
     hit = ws.memo.get(("private_table", id(ctx)))
     if hit is None or hit[0] is not ctx:  # type: ignore[index]
-        hit = ws.memo[("private_table", id(ctx))] = (ctx, private_table(ctx))
+        hit = (ctx, private_table(ctx))
+        ws.remember(("private_table", id(ctx)), hit)
     table, tokens, counts = hit[1]  # type: ignore[index]
     group = group_size(counts, b, hkv, c, d, k_pool_l.element_size())
     slots = ctx.num_runs + num_groups(counts, group)

@@ -204,3 +204,27 @@ def test_reused_workspace_gives_fresh_results_that_do_not_alias_it(cache_tree, c
                              workspace=ws)
             assert check.rel_err(out, ref) < 1e-5
     assert all(torch.equal(o, kept) for o, kept in results)  # later calls did not overwrite earlier outputs
+
+
+@pytest.mark.parametrize("backend", ["torch", "paged-torch"])
+def test_private_chunk_with_no_valid_tokens_reads_no_poisoned_slot(backend):
+    """A row whose first private chunk holds 0 tokens has no valid stand-in slot: its gathered slots
+    are zeroed instead, and the NaN pool around them never reaches the output."""
+    from chunkserve.kernels.testing import ChunkTree
+
+    gen = torch.Generator().manual_seed(3)
+    k_pool = torch.full((1, 2, 8, 16, 64), float("nan"))
+    v_pool = torch.full((1, 2, 8, 16, 64), float("nan"))
+    paths = [[(2, 16), (3, 0), (4, 5)], [(5, 7)], [(6, 16), (7, 1)]]
+    for path in paths:
+        for ch, nt in path:
+            k_pool[0, :, ch, :nt] = torch.randn(2, nt, 64, generator=gen)
+            v_pool[0, :, ch, :nt] = torch.randn(2, nt, 64, generator=gen)
+    # row 0's zero-token chunk is the first of a position group when a group is one position wide
+    paths = [[(3, 0), (4, 5)], [(5, 7)], [(6, 16), (7, 1)]]
+    tree = ChunkTree(k_pool, v_pool, paths, 16)
+    q = torch.randn(3, 4, 64, generator=gen)
+    ref = torch.stack([sdpa_reference(q[i], *tree.gather(i), 0.125) for i in range(3)])
+    o = chunk_attention(q, tree, [0, 1, 2], backend=backend)
+    assert torch.isfinite(o).all()
+    assert float((o.double() - ref).norm() / ref.norm()) < 1e-5
