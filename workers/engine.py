@@ -66,7 +66,7 @@ class EngineCore:
         if loaded is None:
             loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
-        self.model.prepack()  # CPU bf16: oneDNN-blocked weights (a no-op otherwise)
+        self.model.prepack()  # CPU fp32/bf16: oneDNN-blocked weights (a no-op otherwise)
         mc: ModelConfig = self.model_config
         dtype = self.model.lm_head.dtype
         per_chunk = 2 * mc.num_layers * mc.num_kv_heads * cfg.chunk_size * mc.head_dim * dtype.itemsize

@@ -137,8 +137,19 @@ def test_bf16_prepacked_weights_give_identical_logits() -> None:
         pytest.skip("this CPU/ATen build has no oneDNN bf16 packed linear")
     assert ours._packed is not None and len(ours._packed) == ours.config.num_layers
     assert torch.equal(_logits(ours, ids), plain)
-    fp32 = _ours(hf)
-    assert not fp32.prepack() and fp32._packed is None  # fp32 keeps transformers' matmul path
+
+
+def test_fp32_prepacked_weights_match_plain_logits_to_rounding() -> None:
+    hf = _hf_llama(9, 3, 64, 576, tie=True)
+    ids = torch.randint(0, VOCAB, (33,), generator=torch.Generator().manual_seed(6))
+    ours = _ours(hf)
+    plain = _logits(ours, ids)
+    if not ours.prepack():
+        pytest.skip("this CPU/ATen build has no oneDNN packed linear")
+    assert ours._packed is not None and ours._packed_head is not None
+    packed = _logits(ours, ids)
+    torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-4)
+    assert torch.equal(packed.argmax(-1), plain.argmax(-1))
 
 
 def test_random_model_is_seeded_and_state_dict_roundtrips() -> None:
