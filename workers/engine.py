@@ -45,6 +45,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's setting
+    prepack_weights: bool = True  # CPU: keep a oneDNN-blocked copy of the matmul weights (faster, 2x memory)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -66,7 +67,8 @@ class EngineCore:
         if loaded is None:
             loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
-        self.model.prepack()  # CPU fp32/bf16: oneDNN-blocked weights (a no-op otherwise)
+        if cfg.prepack_weights:
+            self.model.prepack()  # CPU fp32/bf16: oneDNN-blocked weights (a no-op otherwise)
         mc: ModelConfig = self.model_config
         dtype = self.model.lm_head.dtype
         per_chunk = 2 * mc.num_layers * mc.num_kv_heads * cfg.chunk_size * mc.head_dim * dtype.itemsize

@@ -179,3 +179,15 @@ def test_fully_cached_prompt_stays_shared_and_runs_its_last_token_for_logits_onl
             got.setdefault(out.req.request_id, []).extend(out.token_ids)
     assert got["third"] == expected
     assert core.runner.tokens_computed - before == GREEDY.max_tokens  # the logits-only row + 9 decodes
+
+
+def test_prepack_weights_option_controls_the_packed_copy_and_outputs_agree(hf_dir) -> None:
+    path, _ = hf_dir
+    prompts = prompts_with_shared_prefixes(4)[:3]
+    plain = LLM(model=path, chunk_size=16, num_kv_chunks=64, prepack_weights=False)
+    assert plain.engine.model._packed is None
+    packed = LLM(model=path, chunk_size=16, num_kv_chunks=64)
+    if packed.engine.model._packed is None:
+        pytest.skip("this CPU/ATen build has no oneDNN packed linear")
+    assert [o.token_ids for o in packed.generate(prompts, GREEDY)] == [
+        o.token_ids for o in plain.generate(prompts, GREEDY)]
