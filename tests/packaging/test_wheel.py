@@ -29,6 +29,7 @@ def test_wheel_holds_only_the_chunkserve_namespace(wheel: Path) -> None:
         assert f"chunkserve/{sub}/__init__.py" in names
     assert "chunkserve/v1/generate.proto" in names
     assert "chunkserve/kernels/tpp_torch.py" in names
+    assert {"chunkserve/loadtests/locustfile.py", "chunkserve/loadtests/workload.py"} <= set(names)
 
 
 def test_modules_import_from_the_installed_wheel(wheel: Path, tmp_path: Path) -> None:
@@ -40,7 +41,9 @@ def test_modules_import_from_the_installed_wheel(wheel: Path, tmp_path: Path) ->
         "chunkserve.router.policy, chunkserve.cli;"
         "import importlib.util as u;"
         f"assert k.__file__.startswith({str(target)!r}), k.__file__;"
-        "assert all(u.find_spec(m) is None for m in ('kernels', 'workers', 'router', 'cluster'));"
+        "assert all(u.find_spec(m) is None for m in ('kernels', 'workers', 'router', 'cluster', 'loadtests'));"
+        "from chunkserve.cluster.loadtest import LOCUSTFILE;"
+        f"assert LOCUSTFILE.is_file() and str(LOCUSTFILE).startswith({str(target)!r}), LOCUSTFILE;"
         "print('ok')"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
