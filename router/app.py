@@ -47,6 +47,9 @@ class AppConfig(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig fields (chunk_size, dtype, ...)
     router: dict[str, Any] = Field(default_factory=dict)  # PrefixAwareRouter kwargs (policy, reader, ...)
     max_ongoing_requests: int = 64
+    # Tenant limits shared by all ingress replicas through Redis (when a Redis URL is known); False: each
+    # ingress replica enforces them for the traffic it sees.
+    shared_rate_limits: bool = True
 
     @model_validator(mode="after")
     def _one_index_location(self) -> AppConfig:
@@ -95,13 +98,18 @@ class ServeIngress(Ingress):
         icfg = IngressConfig(model_name=cfg.model_name, max_model_len=min(max_len, engine_max or max_len),
                              chunk_size=chunk, vocab_size=vocab)
         url = cfg.resolved_redis_url()
-        stats = None
+        tenants = load_tenants(cfg.tenants)
+        stats = limiter = None
         if url:
             from chunkserve.cluster.stats import ClusterStatsReader
 
             stats = ClusterStatsReader(url, cfg.namespace)
-        super().__init__(HandleEngineClient(worker_handle), tokenizer, load_tenants(cfg.tenants), icfg,
-                         cluster_stats=stats)
+            if cfg.shared_rate_limits:
+                from chunkserve.router.ratelimit_redis import ClusterRateLimiter
+
+                limiter = ClusterRateLimiter(tenants.tenants, url, cfg.namespace)
+        super().__init__(HandleEngineClient(worker_handle), tokenizer, tenants, icfg, cluster_stats=stats,
+                         limiter=limiter)
 
 
 def build_app(cfg: AppConfig) -> Any:

@@ -38,7 +38,7 @@ from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.stats import ClusterStatsReader, snapshot_of
 from chunkserve.router.grpc_service import GrpcServiceMixin
 from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
-from chunkserve.router.ratelimit import Lease, RateLimited, RateLimiter
+from chunkserve.router.ratelimit import RateLimited, RateLimiter
 from chunkserve.router.server_metrics import ServerMetrics
 from chunkserve.router.tenants import AuthError, Tenant, TenantRegistry
 from chunkserve.workers.async_engine import EngineError
@@ -49,6 +49,22 @@ logger = logging.getLogger(__name__)
 
 _THREAD_TOKENIZE_CHARS = 4096  # longer texts are tokenised in a worker thread, off the event loop
 REDIS_URL_ENV = "CHUNKSERVE_REDIS_URL"  # where a Serve ingress finds the workers' stats by default
+
+
+class Admission(Protocol):
+    """Per-tenant admission: `RateLimiter` (this replica) or `ClusterRateLimiter` (shared through Redis)."""
+
+    async def admit(self, tenant_id: str) -> AdmissionLease: ...
+
+    def running(self, tenant_id: str) -> int: ...
+
+
+class AdmissionLease(Protocol):
+    """One admitted request: charge its token estimate, finish it with the tokens it really used."""
+
+    async def charge(self, estimate: int) -> None: ...
+
+    async def finish(self, actual_tokens: int | None = None) -> None: ...
 
 
 class EngineClient(Protocol):
@@ -128,7 +144,7 @@ class Prepared:
     """A request that passed every check and holds a rate-limit lease."""
 
     tenant: Tenant
-    lease: Lease
+    lease: AdmissionLease
     request: GenerateRequest
     chunk_hashes: list[int]
     model: str
@@ -146,15 +162,17 @@ class Ingress(GrpcServiceMixin):
     """Authentication, admission, tokenisation, hashing and streaming for HTTP and gRPC."""
 
     def __init__(self, engine: EngineClient, tokenizer: Any, tenants: TenantRegistry, config: IngressConfig,
-                 metrics: ServerMetrics | None = None, cluster_stats: ClusterStatsReader | None = None) -> None:
+                 metrics: ServerMetrics | None = None, cluster_stats: ClusterStatsReader | None = None,
+                 limiter: Admission | None = None) -> None:
         """``cluster_stats``: where ``/metrics`` reads the workers' stats; by default, behind Ray (a
         ``HandleEngineClient``) a reader of ``$CHUNKSERVE_REDIS_URL`` when set. An in-process engine
-        reports its own stats."""
+        reports its own stats. ``limiter``: the tenants' admission; by default this replica's own
+        `RateLimiter` (pass a `ClusterRateLimiter` to share the limits between replicas)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.tenants = tenants
         self.config = config
-        self.limiter = RateLimiter(tenants.tenants)
+        self.limiter: Admission = limiter if limiter is not None else RateLimiter(tenants.tenants)
         self.metrics = metrics if metrics is not None else ServerMetrics(config.model_name)
         self.created = int(time.time())
         self._vocab = config.vocab_size or len(tokenizer)
@@ -260,18 +278,18 @@ class Ingress(GrpcServiceMixin):
         t0 = time.monotonic()
         self.check_model(req.model)
         try:
-            lease = self.limiter.acquire(tenant.id)
+            lease = await self.limiter.admit(tenant.id)
         except RateLimited as e:
             raise _rate_limited(e) from None
         try:
             ids = await self.tokenize(req)
             sampling = self._sampling(req, len(ids))
-            lease.charge_tokens(len(ids) + sampling.max_tokens)
+            await lease.charge(len(ids) + sampling.max_tokens)
             hashes = hash_chain(ids, self.config.chunk_size, tenant.cache_salt, self.config.max_hashed_chunks)
         except RateLimited as e:
             raise _rate_limited(e) from None
         except BaseException:
-            lease.release()
+            await lease.finish()
             raise
         greq = GenerateRequest(request_id=request_id, prompt_token_ids=tuple(ids), sampling=sampling,
                                cache_salt=tenant.cache_salt, tenant=tenant.id)
@@ -306,7 +324,7 @@ class Ingress(GrpcServiceMixin):
             reason = "error"  # the engine rejected or failed it (client disconnects stay "abort")
             raise
         finally:
-            prep.lease.release(n_prompt + out)
+            await prep.lease.finish(n_prompt + out)
             now = time.monotonic()
             self.metrics.request_done(tenant, started, now - prep.t0, now - t_first, out, reason)
 

@@ -2,7 +2,8 @@
 
 Everything here is synchronous and never awaits, so each check-and-take runs atomically on the event loop
 (no locks, no blocking calls). One ``RateLimiter`` belongs to one ingress replica: with several replicas,
-each enforces the limits for the traffic it sees.
+each enforces the limits for the traffic it sees; ``ratelimit_redis.ClusterRateLimiter`` shares them
+through Redis. Both offer the async ``admit`` / ``charge`` / ``finish`` that the ingress calls.
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ class Lease:
         """Frees the concurrency slot and refunds charged tokens beyond ``actual_tokens``. Idempotent."""
         self.limiter._release(self, actual_tokens)
 
+    async def charge(self, estimate: int) -> None:
+        """The async form the ingress calls (shared with `ClusterLease`)."""
+        self.charge_tokens(estimate)
+
+    async def finish(self, actual_tokens: int | None = None) -> None:
+        self.release(actual_tokens)
+
     def __enter__(self) -> Lease:
         return self
 
@@ -130,6 +138,10 @@ class RateLimiter:
             st.requests.take(1)
         st.running += 1
         return Lease(self, tenant_id)
+
+    async def admit(self, tenant_id: str) -> Lease:
+        """The async form the ingress calls (shared with `ClusterRateLimiter`)."""
+        return self.acquire(tenant_id)
 
     def _charge(self, lease: Lease, estimate: int) -> None:
         if lease.released:

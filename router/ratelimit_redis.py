@@ -1,0 +1,227 @@
+"""Cluster-wide tenant limits in Redis: every ingress replica takes from the same buckets.
+
+The local `RateLimiter` enforces each limit per ingress replica, so N replicas would let a tenant through
+N times over. `ClusterRateLimiter` keeps the same token buckets (requests/s, tokens/min) and concurrency
+caps in Redis instead, with the same semantics: one Lua call per check, atomic on the server and timed by
+Redis's own clock (replicas need no clock sync). Tenants with no limit never touch Redis.
+
+Keys (one hash tag per tenant, so a Redis Cluster keeps them in one slot)::
+
+    {<ns>:rl:<tenant>}:b    hash  rl, rt (requests bucket level, last refill ms), tl, tt (tokens bucket)
+    {<ns>:rl:<tenant>}:run  zset  lease id -> expiry (ms); expired entries (a replica that died) are dropped
+
+A concurrency lease expires after ``lease_ttl_s`` even if its release is lost. When Redis cannot be
+reached the replica falls back to its local limiter (per-replica limits, logged once) rather than
+refusing traffic, and goes back to Redis when it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aredis
+from redis.exceptions import RedisError
+
+from chunkserve.router.ratelimit import Lease, RateLimited, RateLimiter
+from chunkserve.router.tenants import Tenant
+
+logger = logging.getLogger(__name__)
+
+# KEYS: bucket hash, run zset. ARGV: req rate/s, req capacity, max concurrent (-1: none), lease id, lease ms.
+# -> {1, 0} admitted; {0, wait_ms, 1} too many running; {0, wait_ms, 2} over requests/s.
+_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rate, cap, maxc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if maxc >= 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  if redis.call('ZCARD', KEYS[2]) >= maxc then return {0, 1000, 1} end
+end
+if rate > 0 then
+  local lvl, ts = tonumber(redis.call('HGET', KEYS[1], 'rl')), tonumber(redis.call('HGET', KEYS[1], 'rt'))
+  if lvl == nil then lvl, ts = cap, now end
+  lvl = math.min(cap, lvl + (now - ts) / 1000 * rate)
+  redis.call('HSET', KEYS[1], 'rl', tostring(lvl), 'rt', now)
+  if lvl < 1 then return {0, math.ceil((1 - lvl) / rate * 1000), 2} end
+  redis.call('HSET', KEYS[1], 'rl', tostring(lvl - 1))
+  redis.call('PEXPIRE', KEYS[1], math.ceil(cap / rate * 1000) + 3600000)
+end
+if maxc >= 0 then
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[5]), ARGV[4])
+  redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[5]))
+end
+return {1, 0, 0}
+"""
+
+# KEYS: bucket hash. ARGV: tokens rate/s, capacity, amount (>0 take, <0 give back). -> wait ms (0: done).
+_TOKENS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rate, cap, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local lvl, ts = tonumber(redis.call('HGET', KEYS[1], 'tl')), tonumber(redis.call('HGET', KEYS[1], 'tt'))
+if lvl == nil then lvl, ts = cap, now end
+lvl = math.min(cap, lvl + (now - ts) / 1000 * rate)
+local need = math.min(amount, cap)
+if amount > 0 and lvl < need then
+  redis.call('HSET', KEYS[1], 'tl', tostring(lvl), 'tt', now)
+  return math.ceil((need - lvl) / rate * 1000)
+end
+redis.call('HSET', KEYS[1], 'tl', tostring(math.min(cap, lvl - amount)), 'tt', now)
+redis.call('PEXPIRE', KEYS[1], math.ceil(cap / rate * 1000) + 3600000)
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class _Limits:
+    req_rate: float | None
+    req_cap: float
+    tok_rate: float | None  # tokens per second
+    tok_cap: float
+    max_concurrent: int | None
+
+
+
+@dataclass
+class ClusterLease:
+    """An admitted request: ``await charge(estimate)`` after tokenising, ``await finish(actual)`` at the end."""
+
+    limiter: ClusterRateLimiter
+    tenant_id: str
+    lease_id: str
+    local: Lease | None = None  # set when Redis was unreachable at admission: the local limiter's lease
+    charged_tokens: int = 0
+    released: bool = field(default=False)
+
+    async def charge(self, estimate: int) -> None:
+        await self.limiter._charge(self, estimate)
+
+    async def finish(self, actual_tokens: int | None = None) -> None:
+        await self.limiter._release(self, actual_tokens)
+
+
+class ClusterRateLimiter:
+    """Admission against limits shared by every ingress replica (see the module docstring)."""
+
+    def __init__(self, tenants: Mapping[str, Tenant], redis_url: str, namespace: str = "chunkserve",
+                 lease_ttl_s: float = 600.0, timeout_s: float = 0.5) -> None:
+        self._limits: dict[str, _Limits] = {}
+        for t in tenants.values():
+            rl = t.rate_limit
+            rps = rl.requests_per_second
+            tpm = rl.tokens_per_minute
+            self._limits[t.id] = _Limits(
+                rps, float(rl.burst_requests or max(1, math.ceil(rps or 1))),
+                None if tpm is None else tpm / 60.0, float(tpm or 1), t.max_concurrent_requests)
+        self.fallback = RateLimiter(tenants)
+        self.namespace = namespace
+        self.lease_ms = max(1000, int(lease_ttl_s * 1000))
+        self._url, self._timeout = redis_url, timeout_s
+        self._client: aredis.Redis | None = None  # created on first use, inside the serving event loop
+        self._running: dict[str, int] = {tid: 0 for tid in self._limits}
+        self._redis_ok = True
+
+    def _keys(self, tenant_id: str) -> tuple[str, str]:
+        tag = f"{{{self.namespace}:rl:{tenant_id}}}"
+        return f"{tag}:b", f"{tag}:run"
+
+    def running(self, tenant_id: str) -> int:
+        """Requests of ``tenant_id`` this replica has admitted and not yet finished."""
+        return self._running[tenant_id] + self.fallback.running(tenant_id)
+
+    def _redis(self) -> aredis.Redis:
+        if self._client is None:
+            self._client = aredis.Redis.from_url(self._url, socket_timeout=self._timeout,
+                                                 socket_connect_timeout=self._timeout)
+        return self._client
+
+    async def _eval(self, script: str, keys: tuple[str, ...], *args: Any) -> Any:
+        res = await asyncio.wait_for(self._redis().eval(script, len(keys), *keys, *args), self._timeout * 2)
+        if not self._redis_ok:
+            logger.info("rate limits: Redis answers again; limits are cluster-wide")
+            self._redis_ok = True
+        return res
+
+    def _redis_down(self, e: BaseException) -> None:
+        if self._redis_ok:
+            logger.warning("rate limits: Redis unreachable (%s); enforcing them per ingress replica", e)
+        self._redis_ok = False
+
+    async def admit(self, tenant_id: str) -> ClusterLease:
+        """One request of ``tenant_id`` against its concurrency and requests/s limits; raises RateLimited."""
+        lim = self._limits.get(tenant_id)
+        if lim is None:
+            raise KeyError(f"unknown tenant {tenant_id!r}")
+        lease = ClusterLease(self, tenant_id, uuid.uuid4().hex)
+        if lim.req_rate is not None or lim.max_concurrent is not None:
+            try:
+                ok, wait_ms, why = await self._eval(
+                    _ACQUIRE, self._keys(tenant_id), lim.req_rate or 0, lim.req_cap,
+                    -1 if lim.max_concurrent is None else lim.max_concurrent, lease.lease_id, self.lease_ms)
+            except (TimeoutError, RedisError, OSError) as e:
+                self._redis_down(e)
+                lease.local = self.fallback.acquire(tenant_id)
+                return lease
+            if not ok:
+                if int(why) == 1:
+                    raise RateLimited(f"tenant {tenant_id!r} has {lim.max_concurrent} requests running across "
+                                      f"the cluster, its limit", retry_after=wait_ms / 1000)
+                raise RateLimited(f"tenant {tenant_id!r} is over its limit of {lim.req_rate:g} requests/s",
+                                  retry_after=wait_ms / 1000)
+        self._running[tenant_id] += 1
+        return lease
+
+    async def _charge(self, lease: ClusterLease, estimate: int) -> None:
+        if lease.released:
+            raise RuntimeError("lease already released")
+        if lease.local is not None:
+            try:
+                lease.local.charge_tokens(estimate)
+            except RateLimited:
+                lease.released = True
+                raise
+            return
+        lim = self._limits[lease.tenant_id]
+        if lim.tok_rate is None or estimate <= 0:
+            return
+        try:
+            wait_ms = int(await self._eval(_TOKENS, self._keys(lease.tenant_id)[:1], lim.tok_rate, lim.tok_cap,
+                                           estimate))
+        except (TimeoutError, RedisError, OSError) as e:
+            self._redis_down(e)
+            return  # admitted already; the token charge is skipped rather than failing the request
+        if wait_ms > 0:
+            await self._release(lease, None)
+            raise RateLimited(f"tenant {lease.tenant_id!r} is over its limit of {lim.tok_rate * 60:g} tokens/min",
+                              retry_after=wait_ms / 1000)
+        lease.charged_tokens += estimate
+
+    async def _release(self, lease: ClusterLease, actual_tokens: int | None) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        if lease.local is not None:
+            lease.local.release(actual_tokens)
+            return
+        self._running[lease.tenant_id] -= 1
+        lim = self._limits[lease.tenant_id]
+        bucket, run = self._keys(lease.tenant_id)
+        try:
+            if lim.max_concurrent is not None:
+                await asyncio.wait_for(self._redis().zrem(run, lease.lease_id), self._timeout * 2)
+            refund = lease.charged_tokens - actual_tokens if actual_tokens is not None else 0
+            if lim.tok_rate is not None and refund > 0:
+                await self._eval(_TOKENS, (bucket,), lim.tok_rate, lim.tok_cap, -refund)
+        except (TimeoutError, RedisError, OSError) as e:  # the zset entry expires on its own
+            self._redis_down(e)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
