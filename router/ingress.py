@@ -38,7 +38,7 @@ from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.stats import ClusterStatsReader, snapshot_of
 from chunkserve.router.grpc_service import GrpcServiceMixin
 from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
-from chunkserve.router.ratelimit import RateLimited, RateLimiter
+from chunkserve.router.ratelimit import Admission, AdmissionLease, RateLimited, RateLimiter
 from chunkserve.router.server_metrics import ServerMetrics
 from chunkserve.router.tenants import AuthError, Tenant, TenantRegistry
 from chunkserve.workers.async_engine import EngineError
@@ -49,22 +49,6 @@ logger = logging.getLogger(__name__)
 
 _THREAD_TOKENIZE_CHARS = 4096  # longer texts are tokenised in a worker thread, off the event loop
 REDIS_URL_ENV = "CHUNKSERVE_REDIS_URL"  # where a Serve ingress finds the workers' stats by default
-
-
-class Admission(Protocol):
-    """Per-tenant admission: `RateLimiter` (this replica) or `ClusterRateLimiter` (shared through Redis)."""
-
-    async def admit(self, tenant_id: str) -> AdmissionLease: ...
-
-    def running(self, tenant_id: str) -> int: ...
-
-
-class AdmissionLease(Protocol):
-    """One admitted request: charge its token estimate, finish it with the tokens it really used."""
-
-    async def charge(self, estimate: int) -> None: ...
-
-    async def finish(self, actual_tokens: int | None = None) -> None: ...
 
 
 class EngineClient(Protocol):

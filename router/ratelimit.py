@@ -12,10 +12,27 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from chunkserve.router.tenants import Tenant
 
 Clock = Callable[[], float]
+
+
+class Admission(Protocol):
+    """Per-tenant admission: `RateLimiter` (this replica) or `ClusterRateLimiter` (shared through Redis)."""
+
+    async def admit(self, tenant_id: str) -> AdmissionLease: ...
+
+    def running(self, tenant_id: str) -> int: ...
+
+
+class AdmissionLease(Protocol):
+    """One admitted request: charge its token estimate, finish it with the tokens it really used."""
+
+    async def charge(self, estimate: int) -> None: ...
+
+    async def finish(self, actual_tokens: int | None = None) -> None: ...
 
 
 class RateLimited(Exception):
