@@ -146,11 +146,11 @@ class _GroupPlan:
     """What `dense_chunk_pass` needs for one position group; the same for every layer of a step."""
 
     p0: int
-    gsz: int  # chunk positions in the group
+    width: int  # W: key slots read per row (valid-token columns of the group's chunk positions)
     rows: torch.Tensor | None  # [n_act] int64 active rows, None when every row is active
-    flat: torch.Tensor  # [n_act * gsz * c] int64 token slots of the pool viewed as [Hkv, N*c, D]
+    flat: torch.Tensor  # [n_act * W] int64 token slots of the pool viewed as [Hkv, N*c, D]
     holes: torch.Tensor | None  # [n_holes] int64 gathered slots to zero (a row with no valid slot)
-    bias: torch.Tensor | None  # [n_act, 1, 1, gsz*c] fp32: 0 valid, -inf invalid
+    bias: torch.Tensor | None  # [n_act, 1, 1, W] fp32: 0 valid, -inf invalid
 
 
 def _group_plans(table: torch.Tensor, tokens: torch.Tensor, counts: list[int], group: int, c: int,
@@ -163,7 +163,6 @@ def _group_plans(table: torch.Tensor, tokens: torch.Tensor, counts: list[int], g
         return hit[2]  # type: ignore[index,return-value]
     b = table.shape[0]
     counts_t = torch.tensor(counts, dtype=torch.int64)
-    ar = torch.arange(c, device=tokens.device)
     p_max = max(counts, default=0)
     plans = []
     for p0 in range(0, p_max, group):
@@ -174,18 +173,24 @@ def _group_plans(table: torch.Tensor, tokens: torch.Tensor, counts: list[int], g
         tok = (tokens[:, p0:p1] if rows is None else tokens.index_select(0, rows)[:, p0:p1]).reshape(-1)
         gsz = p1 - p0
         ids = ids.to(torch.int64)  # [n_act, gsz]
-        bad = ar[None, :] >= tok[:, None]  # [n_act*gsz, c]: slots past a chunk's valid tokens
+        tok = tok.view(-1, gsz)  # [n_act, gsz]
+        # only the first max-valid-tokens slots of each chunk position are read (a decode batch's
+        # private chunks are mostly partly filled): columns (position, offset), the same for every row
+        widths = tok.amax(dim=0).clamp_min(1)  # [gsz]
+        col_p = torch.repeat_interleave(torch.arange(gsz, device=ids.device), widths)  # [W]
+        starts = torch.cumsum(widths, 0) - widths  # [gsz]
+        col_o = torch.arange(col_p.shape[0], device=ids.device) - starts.index_select(0, col_p)  # [W]
+        bad = col_o[None, :] >= tok[:, col_p]  # [n_act, W]: slots past a chunk's valid tokens
         # an invalid slot reads the row's first slot of the group instead (valid: the row is active
         # there), so the gathered buffer is finite without a zeroing pass; the bias masks it out
-        first_ok = (tok.view(-1, gsz)[:, 0] > 0).repeat_interleave(gsz)[:, None]  # [n_act*gsz, 1]
-        stand_in = (ids[:, 0] * c).repeat_interleave(gsz)[:, None]  # [n_act*gsz, 1]
-        flat = torch.where(bad & first_ok, stand_in, ids.reshape(-1, 1) * c + ar[None, :]).reshape(-1)
+        first_ok = tok[:, :1] > 0  # [n_act, 1]
+        flat = torch.where(bad & first_ok, ids[:, :1] * c, ids[:, col_p] * c + col_o[None, :]).reshape(-1)
         holes = torch.nonzero((bad & ~first_ok).reshape(-1)).flatten()  # rows with no valid slot: zeroed
         bias = None
         if bool(bad.any()):
             bias = torch.zeros(bad.shape, dtype=torch.float32, device=tokens.device).masked_fill_(bad, float("-inf"))
-            bias = bias.view(ids.shape[0], 1, 1, gsz * c)
-        plans.append(_GroupPlan(p0, gsz, rows, flat, holes if holes.numel() else None, bias))
+            bias = bias.view(ids.shape[0], 1, 1, -1)
+        plans.append(_GroupPlan(p0, len(col_o), rows, flat, holes if holes.numel() else None, bias))
     ws.remember(key, (table, tokens, plans))
     return plans
 
@@ -217,7 +222,7 @@ def dense_chunk_pass(
     _b, hkv, _g, d = q4.shape
     c = k_pool_l.shape[2]
     for k, gp in enumerate(_group_plans(table, tokens, counts, group, c, ws)):
-        n_act = gp.flat.shape[0] // (gp.gsz * c)
+        n_act = gp.flat.shape[0] // gp.width
         q_a = q4 if gp.rows is None else q4.index_select(0, gp.rows)
         buf_shape = (hkv, gp.flat.shape[0], d)
         kb = torch.index_select(k_pool_l.reshape(hkv, -1, d), 1, gp.flat,
@@ -227,7 +232,7 @@ def dense_chunk_pass(
         if gp.holes is not None:
             kb.index_fill_(1, gp.holes, 0.0)
             vb.index_fill_(1, gp.holes, 0.0)
-        kv_shape = (hkv, n_act, gp.gsz * c, d)
+        kv_shape = (hkv, n_act, gp.width, d)
         o, lse = partial_attention(
             q_a, kb.view(kv_shape).permute(1, 0, 2, 3), vb.view(kv_shape).permute(1, 0, 2, 3), scale, gp.bias, ws
         )
@@ -244,8 +249,7 @@ def combine_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 
     part_o: [S, b, H, D] fp32 (normalised); part_lse: [S, b, H] (``-inf`` = absent) -> out: [b, H, D].
     """
-    m = part_lse.amax(dim=0)  # [b, H]
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = part_lse.amax(dim=0).clamp_min_(torch.finfo(torch.float32).min)  # [b, H]; finite if all absent
     w = torch.exp(part_lse - m)  # [S, b, H]
     w = w / w.sum(dim=0).clamp_min(torch.finfo(torch.float32).tiny)
     out.copy_((part_o * w.unsqueeze(-1)).sum(dim=0))

@@ -288,7 +288,8 @@ class CausalLM:
         positions = positions.to(self.device)
         cos = self._cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
         sin = self._sin.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
-        split = [c.q_size, c.kv_size, c.kv_size]
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        qk_size = c.q_size + c.kv_size
         h = self.embed.index_select(0, input_ids)  # [T, H]
         packed = self._packed
         lin = self._packed_linear if packed is not None else F.linear
@@ -296,10 +297,10 @@ class CausalLM:
             w_qkv, w_o, w_gate_up, w_down = packed[i] if packed is not None else (
                 lw.w_qkv, lw.w_o, lw.w_gate_up, lw.w_down)
             x = self._rms_norm(h, lw.ln1)
-            q, k, v = lin(x, w_qkv, lw.b_qkv).split(split, dim=-1)  # [T, Hq*D], [T, Hkv*D] x2
-            q = self._rope(q.view(t, c.num_heads, c.head_dim), cos, sin)  # [T, Hq, D]
-            k = self._rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)  # [T, Hkv, D]
-            o = attn(i, q, k, v.view(t, c.num_kv_heads, c.head_dim))  # [T, Hq, D]; v: a strided view
+            qkv = lin(x, w_qkv, lw.b_qkv)  # [T, (Hq + 2*Hkv) * D]
+            qk = self._rope(qkv[:, :qk_size].view(t, hq + hkv, d), cos, sin)  # q and k heads in one go
+            # q: [T, Hq, D], k: [T, Hkv, D], v: [T, Hkv, D] (strided views)
+            o = attn(i, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(t, hkv, d))  # [T, Hq, D]
             h.add_(lin(o.reshape(t, c.q_size), w_o, lw.b_o))  # h is our own buffer: add in place
             x = self._rms_norm(h, lw.ln2)
             gate, up = lin(x, w_gate_up, lw.b_gate_up).chunk(2, dim=-1)  # views [T, I] x2
