@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1", help="bind address of the proxies")
     ap.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     ap.add_argument("--address", default=None, help="join an existing Ray cluster (e.g. auto)")
+    ap.add_argument("--proxy-location", choices=["EveryNode", "HeadOnly"], default="EveryNode",
+                    help="HTTP/gRPC proxies on every node with a replica (Serve's default) or on the head only")
     ap.add_argument("--model", default=None, help="local HF dir or random:<preset>; default: embedded SmolLM2")
     ap.add_argument("--tenants", default=None, help="tenants YAML (default: open mode, tenant 'public')")
     ap.add_argument("--config", default=None, help="YAML of AppConfig fields (CLI flags win)")
@@ -89,7 +91,7 @@ def serve_app(args: argparse.Namespace, redis_url: str) -> None:
     elif args.num_cpus:
         init["num_cpus"] = args.num_cpus
     ray.init(**init)
-    serve.start(http_options={"host": args.host, "port": args.http_port},
+    serve.start(proxy_location=args.proxy_location, http_options={"host": args.host, "port": args.http_port},
                 grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
 
