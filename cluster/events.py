@@ -28,6 +28,7 @@ from chunkserve.cluster.index import (
     check_worker_id,
     encode_hash,
     now_ms,
+    redis_client,
 )
 
 logger = logging.getLogger(__name__)
@@ -80,10 +81,7 @@ class WorkerPublisher:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         if max_depth <= 0:
             raise ValueError(f"max_depth must be > 0, got {max_depth}")
-        if isinstance(client, str):
-            client = redis.Redis.from_url(client, socket_timeout=socket_timeout_s,
-                                          socket_connect_timeout=socket_timeout_s)
-        self.client = client
+        self.client = client = redis_client(client, socket_timeout_s)
         self.worker_id = check_worker_id(worker_id)
         self.keys = IndexKeys(namespace)
         self.lease_ttl_s = lease_ttl_s

@@ -140,6 +140,20 @@ class IndexKeys:
         return f"{{{self.namespace}}}:workers"
 
 
+def redis_client(client: redis.Redis | str, timeout_s: float = 1.0) -> redis.Redis:
+    """``client`` itself, or a redis-py client for the URL with connect and socket timeouts."""
+    if isinstance(client, str):
+        return redis.Redis.from_url(client, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    return client
+
+
+def async_redis_client(client: aredis.Redis | str, timeout_s: float = 1.0) -> aredis.Redis:
+    """As `redis_client`, for redis.asyncio (create it inside the event loop that uses it)."""
+    if isinstance(client, str):
+        return aredis.Redis.from_url(client, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    return client
+
+
 def check_worker_id(worker_id: str) -> str:
     """Validate a worker id (non-empty, no braces: it goes inside a hash tag)."""
     if not isinstance(worker_id, str) or not worker_id or any(c in worker_id for c in "{}"):
@@ -257,10 +271,7 @@ class AsyncPrefixIndex:
 
     def __init__(self, client: aredis.Redis | str, namespace: str = DEFAULT_NAMESPACE,
                  max_chunks: int | None = None, socket_timeout_s: float = 1.0, cluster_mode: bool = False) -> None:
-        if isinstance(client, str):
-            client = aredis.Redis.from_url(client, socket_timeout=socket_timeout_s,
-                                           socket_connect_timeout=socket_timeout_s)
-        self.client = client
+        self.client = async_redis_client(client, socket_timeout_s)
         self.keys = IndexKeys(namespace)
         self.max_chunks = max_chunks
         self.cluster_mode = cluster_mode

@@ -24,7 +24,14 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from chunkserve.cluster.index import DEFAULT_NAMESPACE, IndexKeys, check_worker_id, now_ms
+from chunkserve.cluster.index import (
+    DEFAULT_NAMESPACE,
+    IndexKeys,
+    async_redis_client,
+    check_worker_id,
+    now_ms,
+    redis_client,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +65,7 @@ class WorkerStatsWriter:
                  ttl_s: float = DEFAULT_STATS_TTL_S, socket_timeout_s: float = 1.0) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        if isinstance(client, str):
-            client = redis.Redis.from_url(client, socket_timeout=socket_timeout_s,
-                                          socket_connect_timeout=socket_timeout_s)
-        self.client = client
+        self.client = redis_client(client, socket_timeout_s)
         self.worker_id = check_worker_id(worker_id)
         self.key = stats_key(namespace, worker_id)
         self.ttl_ms = max(1, int(ttl_s * 1000))
@@ -119,8 +123,7 @@ class ClusterStatsReader:
 
     def _redis(self) -> aredis.Redis:
         if self._client is None:  # created lazily, inside the loop that uses it
-            self._client = aredis.Redis.from_url(self.url, socket_timeout=self.socket_timeout_s,
-                                                 socket_connect_timeout=self.socket_timeout_s)
+            self._client = async_redis_client(self.url, self.socket_timeout_s)
         return self._client
 
     async def _fetch(self) -> list[dict[str, Any]]:

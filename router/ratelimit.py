@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from chunkserve.router.tenants import Tenant
+from chunkserve.router.tenants import RateLimitConfig, Tenant
 
 Clock = Callable[[], float]
 
@@ -47,6 +47,11 @@ class RateLimited(Exception):
     def retry_after_header(self) -> str:
         """Whole seconds for the Retry-After header (at least 1)."""
         return str(max(1, math.ceil(self.retry_after)))
+
+
+def request_burst(rl: RateLimitConfig) -> int:
+    """Requests a tenant may send at once: its ``burst_requests``, else one second's worth (at least 1)."""
+    return rl.burst_requests or max(1, math.ceil(rl.requests_per_second or 1))
 
 
 class TokenBucket:
@@ -129,8 +134,7 @@ class RateLimiter:
             rl = t.rate_limit
             req = None
             if rl.requests_per_second is not None:
-                burst = rl.burst_requests or max(1, math.ceil(rl.requests_per_second))
-                req = TokenBucket(rl.requests_per_second, burst, clock)
+                req = TokenBucket(rl.requests_per_second, request_burst(rl), clock)
             tok = None
             if rl.tokens_per_minute is not None:
                 tok = TokenBucket(rl.tokens_per_minute / 60.0, rl.tokens_per_minute, clock)

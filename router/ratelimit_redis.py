@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,29 +27,43 @@ from typing import Any
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
-from chunkserve.router.ratelimit import Lease, RateLimited, RateLimiter
+from chunkserve.cluster.index import async_redis_client
+from chunkserve.router.ratelimit import Lease, RateLimited, RateLimiter, request_burst
 from chunkserve.router.tenants import Tenant
 
 logger = logging.getLogger(__name__)
 
-# KEYS: bucket hash, run zset. ARGV: req rate/s, req capacity, max concurrent (-1: none), lease id, lease ms.
-# -> {1, 0} admitted; {0, wait_ms, 1} too many running; {0, wait_ms, 2} over requests/s.
-_ACQUIRE = """
+# Shared by both scripts: Redis's clock in ms, and a bucket (level field lf, refill-time field tf in hash
+# KEYS[1]) refilled up to now; store() writes it back with a TTL past the time it would be full again.
+_BUCKET = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function refilled(lf, tf, rate, cap)
+  local lvl, ts = tonumber(redis.call('HGET', KEYS[1], lf)), tonumber(redis.call('HGET', KEYS[1], tf))
+  if lvl == nil then return cap end
+  return math.min(cap, lvl + (now - ts) / 1000 * rate)
+end
+local function store(lf, tf, lvl, rate, cap)
+  redis.call('HSET', KEYS[1], lf, tostring(lvl), tf, now)
+  redis.call('PEXPIRE', KEYS[1], math.ceil(cap / rate * 1000) + 3600000)
+end
+"""
+
+# KEYS: bucket hash, run zset. ARGV: req rate/s, req capacity, max concurrent (-1: none), lease id, lease ms.
+# -> {1, 0} admitted; {0, wait_ms, 1} too many running; {0, wait_ms, 2} over requests/s.
+_ACQUIRE = _BUCKET + """
 local rate, cap, maxc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 if maxc >= 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
   if redis.call('ZCARD', KEYS[2]) >= maxc then return {0, 1000, 1} end
 end
 if rate > 0 then
-  local lvl, ts = tonumber(redis.call('HGET', KEYS[1], 'rl')), tonumber(redis.call('HGET', KEYS[1], 'rt'))
-  if lvl == nil then lvl, ts = cap, now end
-  lvl = math.min(cap, lvl + (now - ts) / 1000 * rate)
-  redis.call('HSET', KEYS[1], 'rl', tostring(lvl), 'rt', now)
-  if lvl < 1 then return {0, math.ceil((1 - lvl) / rate * 1000), 2} end
-  redis.call('HSET', KEYS[1], 'rl', tostring(lvl - 1))
-  redis.call('PEXPIRE', KEYS[1], math.ceil(cap / rate * 1000) + 3600000)
+  local lvl = refilled('rl', 'rt', rate, cap)
+  if lvl < 1 then
+    store('rl', 'rt', lvl, rate, cap)
+    return {0, math.ceil((1 - lvl) / rate * 1000), 2}
+  end
+  store('rl', 'rt', lvl - 1, rate, cap)
 end
 if maxc >= 0 then
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[5]), ARGV[4])
@@ -60,20 +73,15 @@ return {1, 0, 0}
 """
 
 # KEYS: bucket hash. ARGV: tokens rate/s, capacity, amount (>0 take, <0 give back). -> wait ms (0: done).
-_TOKENS = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+_TOKENS = _BUCKET + """
 local rate, cap, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local lvl, ts = tonumber(redis.call('HGET', KEYS[1], 'tl')), tonumber(redis.call('HGET', KEYS[1], 'tt'))
-if lvl == nil then lvl, ts = cap, now end
-lvl = math.min(cap, lvl + (now - ts) / 1000 * rate)
+local lvl = refilled('tl', 'tt', rate, cap)
 local need = math.min(amount, cap)
 if amount > 0 and lvl < need then
-  redis.call('HSET', KEYS[1], 'tl', tostring(lvl), 'tt', now)
+  store('tl', 'tt', lvl, rate, cap)
   return math.ceil((need - lvl) / rate * 1000)
 end
-redis.call('HSET', KEYS[1], 'tl', tostring(math.min(cap, lvl - amount)), 'tt', now)
-redis.call('PEXPIRE', KEYS[1], math.ceil(cap / rate * 1000) + 3600000)
+store('tl', 'tt', math.min(cap, lvl - amount), rate, cap)
 return 0
 """
 
@@ -114,10 +122,9 @@ class ClusterRateLimiter:
         self._limits: dict[str, _Limits] = {}
         for t in tenants.values():
             rl = t.rate_limit
-            rps = rl.requests_per_second
             tpm = rl.tokens_per_minute
             self._limits[t.id] = _Limits(
-                rps, float(rl.burst_requests or max(1, math.ceil(rps or 1))),
+                rl.requests_per_second, float(request_burst(rl)),
                 None if tpm is None else tpm / 60.0, float(tpm or 1), t.max_concurrent_requests)
         self.fallback = RateLimiter(tenants)
         self.namespace = namespace
@@ -137,8 +144,7 @@ class ClusterRateLimiter:
 
     def _redis(self) -> aredis.Redis:
         if self._client is None:
-            self._client = aredis.Redis.from_url(self._url, socket_timeout=self._timeout,
-                                                 socket_connect_timeout=self._timeout)
+            self._client = async_redis_client(self._url, self._timeout)
         return self._client
 
     async def _eval(self, script: str, keys: tuple[str, ...], *args: Any) -> Any:

@@ -55,20 +55,14 @@ class _ClusterCollector:
         n.add_metric([self.model_name], float(len(self.snapshots)))
         yield n
         lab = ["model_name", "worker_id"]
-        for name, field in GAUGES.items():
-            g = GaugeMetricFamily(f"chunkserve:worker_{name}", DESCRIPTIONS[name], labels=lab)
-            for snap in self.snapshots:
-                v = snap.get(field)
-                if isinstance(v, (int, float)):
-                    g.add_metric([self.model_name, str(snap.get("worker_id"))], float(v))
-            yield g
-        for name, field in COUNTERS.items():
-            c = CounterMetricFamily(f"chunkserve:worker_{name}", DESCRIPTIONS[name], labels=lab)
-            for snap in self.snapshots:
-                v = snap.get(field)
-                if isinstance(v, (int, float)):
-                    c.add_metric([self.model_name, str(snap.get("worker_id"))], float(v))
-            yield c
+        for family, fields in ((GaugeMetricFamily, GAUGES), (CounterMetricFamily, COUNTERS)):
+            for name, field in fields.items():
+                m = family(f"chunkserve:worker_{name}", DESCRIPTIONS[name], labels=lab)
+                for snap in self.snapshots:
+                    v = snap.get(field)
+                    if isinstance(v, (int, float)):
+                        m.add_metric([self.model_name, str(snap.get("worker_id"))], float(v))
+                yield m
 
 
 class ServerMetrics:
