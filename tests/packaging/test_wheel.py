@@ -29,6 +29,7 @@ def test_wheel_holds_only_the_chunkserve_namespace(wheel: Path) -> None:
         assert f"chunkserve/{sub}/__init__.py" in names
     assert "chunkserve/v1/generate.proto" in names
     assert "chunkserve/kernels/tpp_torch.py" in names
+    assert "chunkserve/kernels/csrc/decode_cpu.cpp" in names  # the CPU kernel is built from it on first use
     assert {"chunkserve/loadtests/locustfile.py", "chunkserve/loadtests/workload.py"} <= set(names)
 
 

@@ -1,0 +1,181 @@
+"""The in-place CPU decode kernel (``csrc/decode_cpu.cpp``): built once per machine, called through ctypes.
+
+Every row of a decode batch attends over a table of chunk ids read where they lie in the pool, so
+private chunks cost what dense attention over contiguous K/V costs: no gather, no copy, no
+per-position Python loop. The source is compiled with the system C++ compiler (``$CXX`` or g++,
+``-O3 -march=native -fopenmp``, about 2 s) on first use, and the shared library is cached under
+``$CHUNKSERVE_CACHE/ext`` (default ``~/.cache/chunkserve/ext``), keyed by the source, the compiler
+and the CPU's flags, so a cache copied to another CPU model is rebuilt, never run on the wrong ISA.
+Its OpenMP threads come from the runtime torch has already loaded (same soname), sized by
+``torch.get_num_threads()``. Without a compiler the torch backends fall back to their gather path;
+``CHUNKSERVE_CPU_KERNEL=0`` forces that fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from chunkserve.kernels.torch_ops import Workspace
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("csrc") / "decode_cpu.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_GROUP, MAX_CHUNK, MAX_HEAD_DIM = 32, 256, 256  # the kernel's stack tiles (see the source)
+MIN_SPLIT_TOKENS = 256  # a split of a row's keys is at least this many tokens
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("CHUNKSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chunkserve")
+    return Path(root) / "ext"
+
+
+def _cpu_signature() -> str:
+    """The CPU model and ISA flags (what ``-march=native`` compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernel for this CPU (or reuse the cached build); returns the library's path.
+
+    Raises RuntimeError when no compiler is found or the build fails.
+    """
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()])
+                         .encode()).hexdigest()[:16]
+    out = _cache_dir() / f"decode_cpu_{key}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed:\n{res.stderr[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent builders (several workers) each land a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class CpuDecodeKernel:
+    """ctypes binding of ``cs_decode_attention``; see the module docstring."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        if lib.cs_abi_version() != 1:
+            raise RuntimeError(f"{path} has an unexpected ABI version")
+        fn = lib.cs_decode_attention
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
+                       ptr, ptr, ptr, ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    @staticmethod
+    def supports(q4: torch.Tensor, pool: torch.Tensor) -> bool:
+        """Whether the kernel handles this call (CPU tensors, a supported dtype and shape)."""
+        _b, _hkv, g, d = q4.shape
+        return (pool.device.type == "cpu" and pool.dtype in DTYPE_CODES and g <= MAX_GROUP
+                and pool.shape[2] <= MAX_CHUNK and d <= MAX_HEAD_DIM
+                and pool.stride(3) == 1 and pool.stride(2) == d and pool.stride(1) == pool.shape[2] * d)
+
+    def __call__(self, q4: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, table: torch.Tensor,
+                 tokens: torch.Tensor, scale: float, o: torch.Tensor, lse: torch.Tensor | None,
+                 ws: Workspace) -> None:
+        """Attention of each row over its table of chunks, written to ``o`` (and ``lse``).
+
+        q4: [b, Hkv, g, D] fp32; pools: [Hkv, N, c, D] (chunk and token dims contiguous); table,
+        tokens: [b, P] int32 chunk ids / valid tokens (0 = skip); o: [b, Hkv, g, D] fp32 contiguous
+        (normalised output); lse: [b, Hkv, g] fp32 contiguous or None (-inf for a row with no keys).
+        """
+        b, hkv, g, d = q4.shape
+        c = k_pool_l.shape[2]
+        if k_pool_l.stride() != v_pool_l.stride():
+            raise ValueError("k and v pools must have the same strides")
+        if not (o.is_contiguous() and o.dtype == torch.float32 and o.shape == q4.shape):
+            raise ValueError("o must be a contiguous fp32 tensor shaped like q4")
+        if lse is not None and not (lse.is_contiguous() and lse.dtype == torch.float32):
+            raise ValueError("lse must be a contiguous fp32 tensor [b, Hkv, g]")
+        table = table.to(torch.int32).contiguous()
+        tokens = tokens.to(torch.int32).contiguous()
+        p = table.shape[1]
+        qs = ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device)
+        torch.mul(q4, scale, out=qs)  # [b, Hkv, g, D], pre-scaled
+        threads = torch.get_num_threads()
+        # split long rows when rows x heads alone cannot keep every thread busy (flash-decoding)
+        nsplit, cps = 1, max(p, 1)
+        if b * hkv < 4 * threads and p > 1:
+            want = -(-4 * threads // (b * hkv))
+            cps = max(-(-p // want), -(-MIN_SPLIT_TOKENS // c))
+            nsplit = -(-p // cps)
+        so = slse = None
+        if nsplit > 1:
+            so = ws.take("cpuk_so", (b, hkv, nsplit, g, d), torch.float32, q4.device)
+            slse = ws.take("cpuk_slse", (b, hkv, nsplit, g), torch.float32, q4.device)
+        rc = self._fn(qs.data_ptr(), k_pool_l.data_ptr(), v_pool_l.data_ptr(), k_pool_l.stride(0),
+                      k_pool_l.stride(1), DTYPE_CODES[k_pool_l.dtype], table.data_ptr(), tokens.data_ptr(),
+                      b, hkv, g, d, c, p, cps, nsplit, None if so is None else so.data_ptr(),
+                      None if slse is None else slse.data_ptr(), o.data_ptr(),
+                      None if lse is None else lse.data_ptr(), threads)
+        if rc != 0:
+            raise RuntimeError(f"cs_decode_attention failed with code {rc} (b={b} Hkv={hkv} g={g} D={d} c={c})")
+
+
+@functools.cache
+def load_cpu_kernel() -> CpuDecodeKernel | None:
+    """The kernel for this process, built on first use; None when disabled or it cannot be built."""
+    if os.environ.get("CHUNKSERVE_CPU_KERNEL", "1") == "0":
+        return None
+    try:
+        return CpuDecodeKernel(build())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("in-place CPU decode kernel unavailable, using the gather path: %s", exc)
+        return None
+
+
+def inplace_kernel(q4: torch.Tensor, pool: torch.Tensor, inplace: bool | None) -> CpuDecodeKernel | None:
+    """The kernel a torch backend should use for this call, or None for its gather path.
+
+    inplace: True requires the kernel (RuntimeError if it cannot serve the call), False refuses it,
+    None uses it when it is available and supports the shapes.
+    """
+    if inplace is False or pool.device.type != "cpu":
+        if inplace:
+            raise RuntimeError("the in-place CPU kernel runs on CPU tensors only")
+        return None
+    kern = load_cpu_kernel()
+    if kern is not None and kern.supports(q4, pool):
+        return kern
+    if inplace:
+        raise RuntimeError("the in-place CPU kernel is unavailable or does not support these shapes")
+    return None

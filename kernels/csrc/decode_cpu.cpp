@@ -1,0 +1,226 @@
+// chunkserve CPU decode attention over the chunk pool, read in place (no gather, no copy).
+//
+// Each batch row attends, for every KV head, over a list of chunks given as a dense table
+// [b, P] of chunk ids with the number of valid tokens in each (0 = padding, skipped). Keys and
+// values are read where they lie in the pool layer [Hkv, N, c, D]; only valid token slots are
+// read, so whatever sits in free slots (even NaN) never reaches the result.
+//
+// Work items are (row, kv head, split): a split is a range of `cps` chunk positions, so that a
+// small batch with long rows still keeps every thread busy (flash-decoding). Each item runs a
+// blocked online softmax: the scores of one chunk for the g query heads of the KV head, their
+// max, one rescale of the accumulator, then P@V. Splits of a row are merged by log-sum-exp.
+// Output: fp32 o [b, Hkv, g, D] (normalised) and lse [b, Hkv, g] (-inf for a row with no keys).
+//
+// Plain C ABI (called through ctypes, which releases the GIL); no torch headers, so it builds in
+// about a second. OpenMP threads come from the runtime torch already loaded (same soname).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <omp.h>
+
+namespace {
+
+constexpr int64_t kMaxG = 32;     // query heads per KV head
+constexpr int64_t kMaxC = 256;    // chunk size
+constexpr int64_t kMaxD = 256;    // head dim
+
+struct Bf16 { uint16_t bits; };
+
+inline float to_f(float x) { return x; }
+inline float to_f(Bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float to_f(_Float16 x) { return static_cast<float>(x); }
+
+struct Args {
+  const float* q;            // [b, hkv, g, d] fp32, pre-scaled by the softmax scale
+  const void* k;             // pool layer, element (h, n, t, j) at h*hs + n*cs + t*d + j
+  const void* v;
+  int64_t hs, cs;            // head and chunk strides (elements)
+  const int32_t* table;      // [b, P]
+  const int32_t* tokens;     // [b, P]
+  int64_t b, hkv, g, d, c, P;
+  int64_t cps, nsplit;       // chunk positions per split, splits per row
+  float* so;                 // [b, hkv, nsplit, g, d] scratch (nsplit > 1)
+  float* slse;               // [b, hkv, nsplit, g]
+  float* o;                  // [b, hkv, g, d]
+  float* lse;                // [b, hkv, g] or null
+};
+
+template <typename T>
+void run_item(const Args& a, int64_t row, int64_t h, int64_t s, float* o_dst, float* lse_dst) {
+  const int64_t g = a.g, d = a.d;
+  const float* q = a.q + (row * a.hkv + h) * g * d;
+  const T* kbase = static_cast<const T*>(a.k) + h * a.hs;
+  const T* vbase = static_cast<const T*>(a.v) + h * a.hs;
+  alignas(64) float acc[kMaxG * kMaxD];
+  alignas(64) float sc[kMaxG * kMaxC];
+  float m[kMaxG], l[kMaxG];
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t gi = 0; gi < g; ++gi) { m[gi] = ninf; l[gi] = 0.f; }
+  std::memset(acc, 0, sizeof(float) * g * d);
+  const int64_t p0 = s * a.cps, p1 = std::min(a.P, p0 + a.cps);
+  const int32_t* tab = a.table + row * a.P;
+  const int32_t* tok = a.tokens + row * a.P;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t nt = tok[p];
+    if (nt <= 0) continue;
+    const T* kc = kbase + static_cast<int64_t>(tab[p]) * a.cs;
+    const T* vc = vbase + static_cast<int64_t>(tab[p]) * a.cs;
+    for (int64_t gi = 0; gi < g; ++gi) {  // scores: sc[gi, t] = q_gi . k_t, 4 keys at a time (ILP)
+      const float* qg = q + gi * d;
+      float* sg = sc + gi * kMaxC;
+      int64_t t = 0;
+      for (; t + 4 <= nt; t += 4) {
+        const T* k0 = kc + t * d;
+        const T* k1 = k0 + d;
+        const T* k2 = k1 + d;
+        const T* k3 = k2 + d;
+        float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+        for (int64_t j = 0; j < d; ++j) {
+          const float qj = qg[j];
+          d0 += qj * to_f(k0[j]);
+          d1 += qj * to_f(k1[j]);
+          d2 += qj * to_f(k2[j]);
+          d3 += qj * to_f(k3[j]);
+        }
+        sg[t] = d0;
+        sg[t + 1] = d1;
+        sg[t + 2] = d2;
+        sg[t + 3] = d3;
+      }
+      for (; t < nt; ++t) {
+        const T* kt = kc + t * d;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t j = 0; j < d; ++j) dot += qg[j] * to_f(kt[j]);
+        sg[t] = dot;
+      }
+    }
+    for (int64_t gi = 0; gi < g; ++gi) {  // online softmax, one rescale per chunk
+      float* sg = sc + gi * kMaxC;
+      float bm = sg[0];
+      for (int64_t t = 1; t < nt; ++t) bm = sg[t] > bm ? sg[t] : bm;
+      const float nm = bm > m[gi] ? bm : m[gi];
+      if (nm > m[gi] && l[gi] > 0.f) {
+        const float alpha = std::exp(m[gi] - nm);
+        l[gi] *= alpha;
+        float* ag = acc + gi * d;
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) ag[j] *= alpha;
+      }
+      m[gi] = nm;
+      float sum = 0.f;
+      for (int64_t t = 0; t < nt; ++t) {
+        const float e = std::exp(sg[t] - nm);
+        sg[t] = e;
+        sum += e;
+      }
+      l[gi] += sum;
+    }
+    for (int64_t t = 0; t < nt; ++t) {  // acc[gi] += p[gi, t] * v_t
+      const T* vt = vc + t * d;
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const float pw = sc[gi * kMaxC + t];
+        float* ag = acc + gi * d;
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) ag[j] += pw * to_f(vt[j]);
+      }
+    }
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {
+    float* od = o_dst + gi * d;
+    if (l[gi] > 0.f) {
+      const float inv = 1.f / l[gi];
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) od[j] = acc[gi * d + j] * inv;
+      if (lse_dst) lse_dst[gi] = m[gi] + std::log(l[gi]);
+    } else {
+      std::memset(od, 0, sizeof(float) * d);
+      if (lse_dst) lse_dst[gi] = ninf;
+    }
+  }
+}
+
+// Merge the splits of (row, h) by log-sum-exp into o / lse.
+void merge_splits(const Args& a, int64_t row, int64_t h) {
+  const int64_t g = a.g, d = a.d, S = a.nsplit;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t base = (row * a.hkv + h) * S;
+  for (int64_t gi = 0; gi < g; ++gi) {
+    float mx = ninf;
+    for (int64_t s = 0; s < S; ++s) mx = a.slse[(base + s) * g + gi] > mx ? a.slse[(base + s) * g + gi] : mx;
+    float* od = a.o + ((row * a.hkv + h) * g + gi) * d;
+    std::memset(od, 0, sizeof(float) * d);
+    if (mx == ninf) {
+      if (a.lse) a.lse[(row * a.hkv + h) * g + gi] = ninf;
+      continue;
+    }
+    float tot = 0.f;
+    for (int64_t s = 0; s < S; ++s) {
+      const float ls = a.slse[(base + s) * g + gi];
+      if (ls == ninf) continue;
+      const float w = std::exp(ls - mx);
+      tot += w;
+      const float* src = a.so + ((base + s) * g + gi) * d;
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) od[j] += w * src[j];
+    }
+    const float inv = 1.f / tot;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) od[j] *= inv;
+    if (a.lse) a.lse[(row * a.hkv + h) * g + gi] = mx + std::log(tot);
+  }
+}
+
+template <typename T>
+void run(const Args& a, int nthreads) {
+  const int64_t items = a.b * a.hkv * a.nsplit;
+#pragma omp parallel num_threads(nthreads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t s = it % a.nsplit, rh = it / a.nsplit;
+      const int64_t h = rh % a.hkv, row = rh / a.hkv;
+      if (a.nsplit == 1) {
+        run_item<T>(a, row, h, 0, a.o + rh * a.g * a.d, a.lse ? a.lse + rh * a.g : nullptr);
+      } else {
+        run_item<T>(a, row, h, s, a.so + it * a.g * a.d, a.slse + it * a.g);
+      }
+    }
+    if (a.nsplit > 1) {
+#pragma omp for schedule(static)
+      for (int64_t rh = 0; rh < a.b * a.hkv; ++rh) merge_splits(a, rh / a.hkv, rh % a.hkv);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int cs_abi_version() { return 1; }
+
+// dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or a negative code for unsupported shapes.
+int cs_decode_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
+                        const int32_t* table, const int32_t* tokens, int64_t b, int64_t hkv, int64_t g,
+                        int64_t d, int64_t c, int64_t P, int64_t cps, int64_t nsplit, float* so, float* slse,
+                        float* o, float* lse, int nthreads) {
+  if (g < 1 || g > kMaxG || c < 1 || c > kMaxC || d < 1 || d > kMaxD || cps < 1 || nsplit < 1) return -1;
+  if (nsplit > 1 && (so == nullptr || slse == nullptr)) return -2;
+  const Args a{q, k, v, hs, cs, table, tokens, b, hkv, g, d, c, P, cps, nsplit, so, slse, o, lse};
+  if (nthreads < 1) nthreads = 1;
+  switch (dtype) {
+    case 0: run<float>(a, nthreads); return 0;
+    case 1: run<Bf16>(a, nthreads); return 0;
+    case 2: run<_Float16>(a, nthreads); return 0;
+    default: return -3;
+  }
+}
+
+}  // extern "C"
