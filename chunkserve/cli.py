@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "kernel": ("chunkserve.kernels.bench", "the paper's microkernel table: naive, SDPA, paged, TPP"),
     "e2e": ("chunkserve.workers.bench_e2e", "the paper's end-to-end table on this machine"),
+    "prefill": ("chunkserve.kernels.bench_prefill", "prefill over a cached prefix vs dense SDPA"),
 }
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from chunkserve.kernels.torch_ops import partial_attention
+from chunkserve.kernels.torch_ops import merge_into, partial_attention
 
 PREFILL_BACKENDS = ("torch", "triton", "auto")
 
@@ -47,40 +47,85 @@ def check_prefill_inputs(
                              f"but its chunks hold {totals[i]} tokens")
 
 
+def _segments(ids: list[int], toks: list[int], c: int, length: int) -> list[tuple[int, int, int, list[int]]]:
+    """Split a row's first ``length`` keys into pieces that are views of the pool where possible.
+
+    Returns (key offset, number of keys, first chunk id or -1, chunk ids) per piece: a piece of
+    consecutive chunk ids whose chunks (but the last) are full is read in place; other chunks are
+    single pieces of their own (first chunk id = their id), so nothing is ever gathered.
+    """
+    out: list[tuple[int, int, int, list[int]]] = []
+    pos = 0
+    for cid, nt in zip(ids, toks, strict=True):
+        if pos >= length:
+            break
+        nt = min(nt, length - pos)
+        if nt <= 0:
+            continue
+        if out and out[-1][2] + len(out[-1][3]) == cid and out[-1][1] == c * len(out[-1][3]):
+            k0, n, first, lst = out[-1]
+            out[-1] = (k0, n + nt, first, [*lst, cid])
+        else:
+            out.append((pos, nt, cid, [cid]))
+        pos += nt
+    return out
+
+
 def prefill_torch(
     q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, block_table: torch.Tensor,
     block_tokens: torch.Tensor, starts: list[int], cu: list[int], scale: float,
 ) -> torch.Tensor:
-    """Loop over rows; each row: gather its valid keys once, one offset-causal attention call."""
+    """Loop over rows; each row reads its keys in place (one view per run of consecutive chunks).
+
+    The g query heads of a KV head are packed into the query rows (``[1, Hkv, g*n_b, D]``), so
+    each key is read once per KV head; pieces are merged by online softmax. A row with nothing
+    cached and one piece is one plain causal call.
+    """
     hkv, _n, c, d = k_pool_l.shape
     hq = q.shape[1]
     g = hq // hkv
     out = torch.empty_like(q)
-    ar = torch.arange(c, device=q.device)
-    k_flat = k_pool_l.reshape(hkv, -1, d)
-    v_flat = v_pool_l.reshape(hkv, -1, d)
+    tables, tokens = block_table.tolist(), block_tokens.tolist()
     for b in range(len(starts)):
         n_b = cu[b + 1] - cu[b]
         if n_b == 0:
             continue
-        ids = block_table[b].to(torch.int64)
-        toks = block_tokens[b]
-        valid = ar[None, :] < toks[:, None]  # [P, c]
-        flat = (ids[:, None] * c + ar[None, :])[valid][: starts[b] + n_b]  # [L]
-        length = int(flat.numel())
-        k = k_flat.index_select(1, flat).unsqueeze(0).expand(g, hkv, length, d)
-        v = v_flat.index_select(1, flat).unsqueeze(0).expand(g, hkv, length, d)
-        qb = q[cu[b] : cu[b + 1]].float().view(n_b, hkv, g, d).permute(2, 1, 0, 3)  # [g, Hkv, n_b, D]
-        if starts[b] == 0:  # nothing cached: plain causal attention
-            o, _lse = partial_attention(qb, k, v, scale, causal=True)
-        else:
-            q_pos = torch.arange(n_b, device=q.device) + starts[b]
-            k_pos = torch.arange(length, device=q.device)
-            bias = torch.zeros(1, 1, n_b, length, dtype=torch.float32, device=q.device)
-            bias.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
-            o, _lse = partial_attention(qb, k, v, scale, bias)  # [g, Hkv, n_b, D]
-        out[cu[b] : cu[b + 1]] = o.permute(2, 1, 0, 3).reshape(n_b, hq, d).to(q.dtype)
+        length = starts[b] + n_b
+        pieces = _segments(tables[b], tokens[b], c, length)
+        qrow = q[cu[b] : cu[b + 1]].float()  # [n_b, Hq, D]
+        if starts[b] == 0 and len(pieces) == 1:  # nothing cached: plain causal attention
+            k, v = _piece(k_pool_l, pieces[0]), _piece(v_pool_l, pieces[0])  # [Hkv, L, D]
+            qb = qrow.view(n_b, hkv, g, d).permute(2, 1, 0, 3)  # [g, Hkv, n_b, D]
+            o, _lse = partial_attention(qb, k.unsqueeze(0).expand(g, -1, -1, -1),
+                                        v.unsqueeze(0).expand(g, -1, -1, -1), scale, causal=True)
+            out[cu[b] : cu[b + 1]] = o.permute(2, 1, 0, 3).reshape(n_b, hq, d).to(q.dtype)
+            continue
+        qb = qrow.view(n_b, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n_b, d)  # row gi*n_b + i
+        q_pos = (torch.arange(n_b, device=q.device) + starts[b]).repeat(g)  # [g*n_b]
+        acc_o = acc_lse = None
+        for piece in pieces:
+            k0, n = piece[0], piece[1]
+            bias = None
+            if k0 + n - 1 > starts[b]:  # some keys of this piece lie after some query: causal mask
+                k_pos = torch.arange(k0, k0 + n, device=q.device)
+                bias = torch.zeros(1, 1, g * n_b, n, dtype=torch.float32, device=q.device)
+                bias.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+            o, lse = partial_attention(qb, _piece(k_pool_l, piece).unsqueeze(0),
+                                       _piece(v_pool_l, piece).unsqueeze(0), scale, bias)
+            if acc_o is None:
+                acc_o, acc_lse = o.clone(), lse.clone()
+            else:
+                merge_into(acc_o, acc_lse, o, lse)
+        res = acc_o.view(hkv, g, n_b, d).permute(2, 0, 1, 3).reshape(n_b, hq, d)  # type: ignore[union-attr]
+        out[cu[b] : cu[b + 1]] = res.to(q.dtype)
     return out
+
+
+def _piece(pool: torch.Tensor, piece: tuple[int, int, int, list[int]]) -> torch.Tensor:
+    """The keys (or values) of one piece, [Hkv, n, D]: a view of the pool."""
+    _k0, n, first, ids = piece
+    hkv, _n, c, d = pool.shape
+    return pool[:, first : first + len(ids)].reshape(hkv, len(ids) * c, d)[:, :n]
 
 
 def prefill_attention(
