@@ -3,6 +3,8 @@
 Starts (or joins, with ``--address``) Ray, starts a real Redis server on a free port unless
 ``--redis-url`` is given, deploys the Serve app (ingress + prefix-routed workers) with HTTP and
 gRPC proxies, prints the endpoints, and shuts everything down cleanly on Ctrl-C or SIGTERM.
+Engine threads follow `workers.cpu_budget.engine_threads` (a local Ray started with ``--num-cpus N``
+budgets N cores per node); ``--engine '{"num_threads": K}'`` fixes them.
 The launcher is the one place that ties router/, workers/ and cluster/ together, so it imports
 the application lazily.
 """
@@ -61,8 +63,24 @@ def app_config(args: argparse.Namespace, redis_url: str) -> Any:
         base["tenants"] = args.tenants
     if args.engine:
         base["engine"] = {**base.get("engine", {}), **json.loads(args.engine)}
+    if args.num_cpus and not args.address:
+        base.setdefault("node_cpus", args.num_cpus)  # the local Ray node has that many CPUs: budget those
     base["redis_url"] = redis_url
     return AppConfig(**base)
+
+
+def describe_threads(cfg: Any) -> str:
+    """What each worker's engine threads will be on this machine, for the start-up message."""
+    from chunkserve.workers.cpu_budget import available_cpus, engine_threads
+
+    rule = cfg.thread_rule()
+    if rule is None:
+        fixed = cfg.engine.get("num_threads")
+        return f"engine threads per worker: {fixed}" if fixed else "engine threads: the device's default"
+    cpus = rule.get("node_cpus") or available_cpus()
+    n = engine_threads(cpus, rule["workers_per_node"], rule["reserved_cpus"])
+    return (f"engine threads per worker: {n} ({cpus} cores - {rule['reserved_cpus']} reserved, "
+            f"{rule['workers_per_node']} workers per node)")
 
 
 @contextmanager
@@ -76,7 +94,8 @@ def redis_for(url: str | None) -> Iterator[str]:
         yield server.url
 
 
-def serve_app(args: argparse.Namespace, redis_url: str) -> None:
+def serve_app(args: argparse.Namespace, redis_url: str) -> Any:
+    """Starts Ray and Serve and deploys the app; returns its AppConfig."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -94,6 +113,7 @@ def serve_app(args: argparse.Namespace, redis_url: str) -> None:
     serve.start(proxy_location=args.proxy_location, http_options={"host": args.host, "port": args.http_port},
                 grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     with redis_for(args.redis_url) as redis_url:
         try:
             t0 = time.perf_counter()
-            serve_app(args, redis_url)
+            cfg = serve_app(args, redis_url)
             for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installs its own handlers: take them back
                 signal.signal(sig, on_signal)
             mode = f"tenants from {args.tenants}" if args.tenants else "open mode (single tenant 'public')"
@@ -122,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"  gRPC (chunkserve.v1.ChunkServe): {args.host}:{args.grpc_port}\n"
                   f"  metrics: http://{args.host}:{args.http_port}/metrics\n"
                   f"  Redis prefix index: {redis_url}\n"
+                  f"  {describe_threads(cfg)}\n"
                   f"Ctrl-C to stop.", flush=True)
             deadline = None if args.exit_after is None else time.monotonic() + args.exit_after
             while not stop.wait(0.5):

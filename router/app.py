@@ -5,12 +5,20 @@
 
 `AppConfig` (Pydantic, extra="forbid") holds every option; `build_app(cfg)` returns the bound
 application; `app_builder(args)` is the `serve run` / `serve deploy` entry point.
+
+The ingress replica needs a tokenizer, never the model: importing this module and starting `ServeIngress`
+load neither torch nor the engine (the tokenizer is read with `tokenizers` through transformers'
+`PreTrainedTokenizerFast`; the embedded checkpoint is located, and converted on first use, in a child
+process). Engine threads: unless ``engine.num_threads`` is set, each CPU worker takes
+``max(1, (cores of its node - reserved_cpus) // workers_per_node)`` (`workers.cpu_budget.engine_threads`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +55,15 @@ class AppConfig(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig fields (chunk_size, dtype, ...)
     router: dict[str, Any] = Field(default_factory=dict)  # PrefixAwareRouter kwargs (policy, reader, ...)
     max_ongoing_requests: int = 64
+    # Stream items: a request's tokens leave the worker coalesced, the first at once, then at most one item
+    # per interval of up to this many tokens (0 ms: one item per token).
+    stream_interval_ms: float = Field(20.0, ge=0.0, le=1000.0)
+    stream_max_tokens: int = Field(16, ge=1)
+    # Engine threads when engine.num_threads is unset: (node cores - reserved_cpus) // workers_per_node, >= 1.
+    # workers_per_node None: all workers on one node (`workers`, or the autoscaling max_replicas).
+    workers_per_node: int | None = Field(None, ge=1)
+    reserved_cpus: int = Field(1, ge=0)
+    node_cpus: int | None = Field(None, ge=1)  # cores per node to budget (None: what each worker's node has)
     # Tenant limits shared by all ingress replicas through Redis (when a Redis URL is known); False: each
     # ingress replica enforces them for the traffic it sees.
     shared_rate_limits: bool = True
@@ -63,28 +80,63 @@ class AppConfig(BaseModel):
     def resolved_redis_url(self) -> str | None:
         return self.redis_url or os.environ.get("CHUNKSERVE_REDIS_URL") or None
 
+    def thread_rule(self) -> dict[str, int] | None:
+        """The workers' engine-thread rule, or None when the engine config fixes the threads (or GPUs)."""
+        if "num_threads" in self.engine or self.worker_num_gpus:
+            return None
+        per_node = self.workers_per_node
+        if per_node is None:
+            per_node = int((self.autoscaling or {}).get("max_replicas", self.workers))
+        rule = {"workers_per_node": max(1, per_node), "reserved_cpus": self.reserved_cpus}
+        if self.node_cpus is not None:
+            rule["node_cpus"] = self.node_cpus
+        return rule
+
+
+def _embedded_checkpoint_dir() -> Path:
+    """The embedded model's cached HF checkpoint, found (or converted once) in a child process, so that the
+    ingress never imports torch (`workers.weights` does)."""
+    code = "from chunkserve.workers.weights import embedded_checkpoint_dir as d; print(d(progress=False))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"could not prepare the embedded model: {out.stderr.strip()[-2000:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def _load_tokenizer(path: Path) -> Any:
+    """A fast tokenizer from ``tokenizer.json`` without torch; other checkpoints through AutoTokenizer."""
+    if (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _context_and_vocab(path: Path) -> tuple[int, int]:
+    """(max_model_len, vocab_size) from a checkpoint's config.json, as `ModelConfig.max_model_len` reads it."""
+    hf = json.loads((path / "config.json").read_text())
+    ctx = int(hf["max_position_embeddings"])
+    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    return (min(ctx, int(window)) if window else ctx), int(hf["vocab_size"])
+
 
 def _model_info(model: str | None) -> tuple[Any, int, int]:
-    """(tokenizer, max_model_len, vocab_size) without loading the weights."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from chunkserve.workers.config import ModelConfig, preset_config
-    from chunkserve.workers.weights import embedded_checkpoint_dir
+    """(tokenizer, max_model_len, vocab_size) without loading the weights (nor torch)."""
+    from chunkserve.workers.config import preset_config
 
     if model is None or model.lower() == "smollm2-135m-instruct" or model.startswith("random:"):
-        ckpt = embedded_checkpoint_dir()
-        tok = AutoTokenizer.from_pretrained(str(ckpt), local_files_only=True)
+        ckpt = _embedded_checkpoint_dir()
+        tok = _load_tokenizer(ckpt)
         if model and model.startswith("random:"):
             cfg = preset_config(model.removeprefix("random:"))
             return tok, cfg.max_model_len, cfg.vocab_size
-        mc = ModelConfig.from_hf(AutoConfig.from_pretrained(str(ckpt), local_files_only=True))
-        return tok, mc.max_model_len, mc.vocab_size
+        return (tok, *_context_and_vocab(ckpt))
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(f"model {model!r} is not a local checkpoint directory")
-    mc = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path), local_files_only=True))
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return tok, mc.max_model_len, mc.vocab_size
+    return (_load_tokenizer(path), *_context_and_vocab(path))
 
 
 class ServeIngress(Ingress):
@@ -134,7 +186,8 @@ def build_app(cfg: AppConfig) -> Any:
                                          router_kwargs=router_kwargs, autoscaling_config=cfg.autoscaling,
                                          max_ongoing_requests=cfg.max_ongoing_requests,
                                          request_router_class=cfg.request_router)
-    worker = worker_cls.bind(engine, redis_url, cfg.lease_ttl_s, cfg.namespace)
+    batching = {"interval_s": cfg.stream_interval_ms / 1000.0, "max_tokens": cfg.stream_max_tokens}
+    worker = worker_cls.bind(engine, redis_url, cfg.lease_ttl_s, cfg.namespace, batching, cfg.thread_rule())
     ingress_cls = serve.deployment(name="Ingress", num_replicas=cfg.ingress_replicas, max_ongoing_requests=2048,
                                    ray_actor_options={"num_cpus": 0})(serve.ingress()(ServeIngress))
     return ingress_cls.bind(worker, cfg.model_dump_json())

@@ -31,17 +31,23 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.stats import ClusterStatsReader, snapshot_of
+from chunkserve.router.engine_client import (
+    EngineClient,
+    HandleEngineClient,
+    LocalEngineClient,
+    engine_error_to_api,
+    next_delta,
+)
 from chunkserve.router.grpc_service import GrpcServiceMixin
 from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
 from chunkserve.router.ratelimit import Admission, AdmissionLease, RateLimited, RateLimiter
 from chunkserve.router.server_metrics import ServerMetrics
 from chunkserve.router.tenants import AuthError, Tenant, TenantRegistry
-from chunkserve.workers.async_engine import EngineError
 from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
 from chunkserve.workers.sampling import SamplingParams
 
@@ -49,60 +55,6 @@ logger = logging.getLogger(__name__)
 
 _THREAD_TOKENIZE_CHARS = 4096  # longer texts are tokenised in a worker thread, off the event loop
 REDIS_URL_ENV = "CHUNKSERVE_REDIS_URL"  # where a Serve ingress finds the workers' stats by default
-
-
-class EngineClient(Protocol):
-    """What the ingress calls: streams the deltas of one request; closing the iterator aborts it."""
-
-    def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncIterator[GenerateDelta]: ...
-
-
-class LocalEngineClient:
-    """An in-process engine (``workers.protocol.EngineProtocol``) as an engine client."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-
-    def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncIterator[GenerateDelta]:
-        return self.engine.generate(request)
-
-    async def stats(self) -> dict:
-        return dict(self.engine.stats())
-
-    async def aclose(self) -> None:
-        """Stops the engine (its step thread is joined off the event loop)."""
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            await asyncio.to_thread(shutdown)
-
-
-class HandleEngineClient:
-    """A Ray Serve DeploymentHandle to the worker deployment as an engine client.
-
-    Calls ``handle.options(stream=True).<method>.remote(request, chunk_hashes=...)`` so a prefix-aware
-    request router can read the hashes from the kwargs; an early exit cancels the call, which closes
-    the worker's generator and frees the request's KV chunks."""
-
-    def __init__(self, handle: Any, method: str = "generate") -> None:
-        self._handle = handle.options(stream=True)
-        self._method = method
-
-    async def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncIterator[GenerateDelta]:
-        gen = getattr(self._handle, self._method).remote(request, chunk_hashes=chunk_hashes)
-        finished = False
-        try:
-            async for delta in gen:
-                if delta.finish_reason is not None:
-                    finished = True
-                yield delta
-        except Exception as e:
-            cause = getattr(e, "cause", None)  # a RayTaskError carries the worker's own exception
-            if isinstance(cause, Exception):
-                raise cause from None
-            raise
-        finally:
-            if not finished:
-                gen.cancel()
 
 
 @dataclass(frozen=True)
@@ -292,7 +244,7 @@ class Ingress(GrpcServiceMixin):
         try:
             async with aclosing(self.engine.generate(prep.request, prep.chunk_hashes)) as agen:
                 while True:
-                    d = await _next_delta(agen)
+                    d = await next_delta(agen)
                     if d is None:
                         break
                     if not started and (d.token_ids or d.finish_reason is not None):
@@ -367,22 +319,5 @@ class Ingress(GrpcServiceMixin):
         return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def _next_delta(agen: AsyncIterator[GenerateDelta]) -> GenerateDelta | None:
-    """The next delta, or None at the end. A request the engine rejects (longer than its context or KV
-    pool: 413; other bad input: 400) or fails (503) becomes an APIError."""
-    try:
-        return await agen.__anext__()
-    except StopAsyncIteration:
-        return None
-    except (EngineError, ValueError, TypeError) as e:
-        msg = str(e)
-        low = msg.lower()
-        if "exceeds" in low or "does not fit" in low:
-            status = 413
-        elif isinstance(e, EngineError) and "step failed" in low:
-            status = 503
-        else:
-            status = 400
-        raise APIError(status, f"the engine rejected the request: {msg}",
-                       type="server_error" if status == 503 else "invalid_request_error",
-                       code="context_length_exceeded" if status == 413 else None) from None
+__all__ = ["EngineClient", "HandleEngineClient", "Ingress", "IngressConfig", "LocalEngineClient", "Prepared",
+           "engine_error_to_api"]

@@ -11,6 +11,7 @@ loop by ``build``, so the engine's step loop and the request handlers share that
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import socket
@@ -129,14 +130,26 @@ class LocalServer:
 
 
 def local_ingress(engine_config: Any = None, tenants: TenantRegistry | None = None,
-                  model_name: str = "chunkserve", **ingress_options: Any) -> Ingress:
+                  model_name: str = "chunkserve", stream_batching: Any = None, **ingress_options: Any) -> Ingress:
     """An ingress over an in-process ``AsyncEngine`` (``engine_config``: a ``workers.engine.EngineConfig``;
-    None = the embedded default model). ``tenants`` None = open mode. Call it inside the serving loop."""
-    from chunkserve.workers.async_engine import AsyncEngine
+    None = the embedded default model). ``tenants`` None = open mode. Call it inside the serving loop.
 
-    engine = AsyncEngine(engine_config)
+    As in a worker replica, the engine's deltas come coalesced (``stream_batching``: a
+    ``workers.streaming.StreamBatching`` or its fields; default 20 ms / 16 tokens; ``{"interval_s": 0}``:
+    one per token), and an engine config without ``num_threads`` gets ``cpu_budget.engine_threads`` for
+    one worker (the cores minus one for the HTTP/gRPC loop, at least 1)."""
+    from chunkserve.workers.async_engine import AsyncEngine
+    from chunkserve.workers.cpu_budget import available_cpus, engine_threads
+    from chunkserve.workers.engine import EngineConfig
+    from chunkserve.workers.streaming import StreamBatching
+
+    cfg = engine_config or EngineConfig()
+    if cfg.num_threads is None and cfg.device == "cpu":
+        cfg = dataclasses.replace(cfg, num_threads=engine_threads(available_cpus()))
+    engine = AsyncEngine(cfg)
     core = engine.core
     config = IngressConfig(model_name=model_name, max_model_len=core.max_model_len,
                            chunk_size=core.cache.chunk_size, vocab_size=core.model_config.vocab_size,
                            **ingress_options)
-    return Ingress(LocalEngineClient(engine), engine.tokenizer, tenants or load_tenants(None), config)
+    client = LocalEngineClient(engine, StreamBatching.from_options(stream_batching))
+    return Ingress(client, engine.tokenizer, tenants or load_tenants(None), config)

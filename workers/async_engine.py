@@ -2,9 +2,13 @@
 
 The step loop runs in one background thread that owns the core (the model call blocks for tens of
 milliseconds, so it never runs on the event loop). Requests and aborts reach it through a
-thread-safe inbox; token deltas come back to each request's asyncio queue via
-``loop.call_soon_threadsafe``. Closing a request's generator (client gone) aborts it, which frees
-its KV chunks on the next step.
+thread-safe inbox; each step's token deltas go back to the requests' asyncio queues in one
+``loop.call_soon_threadsafe`` per event loop (not one per token). ``generate(request, batching)``
+coalesces a request's deltas into fewer, larger items (`workers/streaming.py`). Closing a request's
+generator (client gone) aborts it, which frees its KV chunks on the next step. Failures are typed
+(`protocol.EngineError` and its subclasses): a request the core rejects, a step that raises
+(`EngineStepError`, for the requests it was running), an engine that is shut down or whose thread died
+(`EngineDeadError`, for every request still waiting and every later one).
 """
 
 from __future__ import annotations
@@ -18,13 +22,21 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from chunkserve.workers.engine import EngineConfig, EngineCore
-from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
+from chunkserve.workers.protocol import (
+    EngineDeadError,
+    EngineError,
+    EngineStepError,
+    GenerateDelta,
+    GenerateRequest,
+    InvalidRequestError,
+    InvalidSamplingError,
+)
+from chunkserve.workers.sampling import SamplingParams
+from chunkserve.workers.streaming import StreamBatching, coalesce
 
 logger = logging.getLogger(__name__)
 
-
-class EngineError(RuntimeError):
-    """A request failed inside the engine (the message says why); other requests are unaffected."""
+_Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 
 
 class AsyncEngine:
@@ -34,29 +46,40 @@ class AsyncEngine:
         self.core = core or EngineCore(config)
         self.tokenizer = self.core.tokenizer
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks: dict[str, _Sink] = {}
         self._lock = threading.Lock()
         self._stats: dict[str, Any] = self.core.stats()
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._stats_time = 0.0
+        self._dead: str | None = None  # why the engine no longer takes requests
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="chunkserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="chunkserve-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ public API
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        """Stream token deltas for one request; the last delta has a finish_reason."""
+    async def generate(self, request: GenerateRequest, batching: StreamBatching | None = None
+                       ) -> AsyncIterator[GenerateDelta]:
+        """Stream token deltas for one request; the last delta has a finish_reason. With ``batching``
+        the deltas are coalesced (the first alone, then at most one item per interval)."""
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
         with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
             if rid in self._sinks:
-                raise ValueError(f"duplicate request id {rid!r}")
+                raise InvalidRequestError(f"duplicate request id {rid!r}")
             self._sinks[rid] = (loop, sink)
         self._post("add", request)
         finished = False
         try:
+            if batching is not None and batching.enabled:
+                async for item in coalesce(sink, batching):
+                    finished = item.finish_reason is not None
+                    yield item
+                finished = True
+                return
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):
@@ -66,6 +89,10 @@ class AsyncEngine:
                 if item.finish_reason is not None:
                     finished = True
                     return
+        except BaseException as e:
+            if isinstance(e, EngineError):
+                finished = True  # the engine already dropped it
+            raise
         finally:
             with self._lock:
                 self._sinks.pop(rid, None)
@@ -89,6 +116,7 @@ class AsyncEngine:
                 return out
 
     def shutdown(self) -> None:
+        """Stops the step thread; requests still running fail with `EngineDeadError`."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
@@ -98,31 +126,58 @@ class AsyncEngine:
         self._inbox.put((kind, payload))
         self._wake.set()
 
-    def _emit(self, rid: str, item: Any) -> None:
+    def _deliver(self, items: list[tuple[str, Any]]) -> None:
+        """Hands (request id, delta or exception) pairs to their queues, one wake-up per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue, Any]]] = {}
         with self._lock:
-            target = self._sinks.get(rid)
-        if target is not None:
-            loop, sink = target
+            for rid, item in items:
+                target = self._sinks.get(rid)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((rid, target[1], item))
+        for loop, puts in by_loop.items():
             try:
-                loop.call_soon_threadsafe(sink.put_nowait, item)
-            except RuntimeError:  # the caller's loop is closed
-                self._inbox.put(("abort", rid))
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:  # the caller's loop is closed: its requests have nobody to go to
+                for rid, _, _ in puts:
+                    self._inbox.put(("abort", rid))
 
     def _drain_inbox(self) -> None:
         core = self.core
+        failed: list[tuple[str, Any]] = []
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if kind == "add":
                 req: GenerateRequest = payload
                 try:
+                    if not isinstance(req.sampling, SamplingParams):
+                        raise InvalidSamplingError(f"sampling must be SamplingParams, got {type(req.sampling)}")
                     core.add_request(req.request_id, list(req.prompt_token_ids), req.sampling, req.cache_salt)
-                except ValueError as e:
-                    self._emit(req.request_id, EngineError(str(e)))
+                except EngineError as e:
+                    failed.append((req.request_id, e))
+                except (ValueError, TypeError) as e:  # anything else the core refuses is the request's fault
+                    failed.append((req.request_id, InvalidRequestError(str(e))))
             elif kind == "abort":
                 core.abort(payload)
+        if failed:
+            self._deliver(failed)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            logger.exception("engine thread died")
+            self._fail_all("the engine thread died")
+            raise
+        self._fail_all("the engine was shut down")
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            self._dead = why
+            rids = list(self._sinks)
+        self._deliver([(rid, EngineDeadError(why)) for rid in rids])
 
     def _loop(self) -> None:
         core = self.core
@@ -137,20 +192,33 @@ class AsyncEngine:
                 outs = core.step()
             except Exception as e:  # a bug must not kill the loop silently: fail the running requests
                 logger.exception("engine step failed")
+                failed = []
                 for req in list(core.scheduler.running) + list(core.scheduler.waiting):
                     core.abort(req.request_id)
-                    self._emit(req.request_id, EngineError(f"engine step failed: {e}"))
+                    failed.append((req.request_id, EngineStepError(f"engine step failed: {e}")))
+                self._deliver(failed)
                 continue
             for ev in core.cache.drain_events():
                 self._events.put(ev)
             now = time.monotonic()
+            deltas = []
             for out in outs:
                 req = out.req
-                self._emit(req.request_id, GenerateDelta(
+                n_out = len(req.output)
+                deltas.append((req.request_id, GenerateDelta(
                     request_id=req.request_id, token_ids=out.token_ids, text=out.text,
                     num_prompt_tokens=len(req.prompt), num_cached_tokens=max(req.num_cached, 0),
-                    num_output_tokens=len(req.output), finish_reason=out.finish_reason, logprobs=out.logprobs,
-                    first_token_time=req.first_token_time if len(req.output) == 1 else None,
-                    extra={"time": now}))
+                    num_output_tokens=n_out, finish_reason=out.finish_reason, logprobs=out.logprobs,
+                    first_token_time=req.first_token_time if n_out == 1 else None, extra={"time": now})))
+            if deltas:
+                self._deliver(deltas)
             if now - self._stats_time > 0.1:
                 self._stats, self._stats_time = core.stats(), now
+
+
+def _put_all(puts: list[tuple[str, asyncio.Queue, Any]]) -> None:
+    for _, q, item in puts:
+        q.put_nowait(item)
+
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineError", "EngineStepError", "StreamBatching"]

@@ -6,19 +6,27 @@ publishes stored/evicted chunk hashes under its Ray replica id once per ~50 ms b
 lease in Redis through the publisher's heartbeat thread. About once a second the same loop records the
 engine's stats as Ray Serve metrics (`workers/worker_metrics.py`) and, with Redis, writes a stats snapshot
 (`cluster/stats.py`) that the ingress's ``/metrics`` reads.
+
+Each request's deltas leave the replica coalesced (`workers/streaming.py`): the first token alone and at
+once, then at most one stream item per ``stream_batching.interval_s`` (default 20 ms), so a fast stream
+pays Ray's per-item cost once per several tokens. Engine threads: unless the engine config sets
+``num_threads``, a replica takes `engine_threads(cores of its node, workers_per_node, reserved_cpus)`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from chunkserve.workers.async_engine import AsyncEngine
+from chunkserve.workers.cpu_budget import available_cpus, engine_threads
 from chunkserve.workers.engine import EngineConfig
 from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
+from chunkserve.workers.streaming import StreamBatching
 from chunkserve.workers.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -29,13 +37,24 @@ PREFIX_ROUTER = "chunkserve.router.request_router.PrefixAwareRouter"
 
 
 class WorkerServer:
-    """An engine plus its cache-event publisher; the body of a worker replica."""
+    """An engine plus its cache-event publisher; the body of a worker replica.
+
+    ``thread_rule`` (``{"workers_per_node": n, "reserved_cpus": r}``, optionally ``"node_cpus"``: the cores
+    to count instead of this node's) sets the engine's ``num_threads`` by `cpu_budget.engine_threads`
+    when the engine config leaves it unset."""
 
     def __init__(self, engine_config: dict[str, Any] | EngineConfig, worker_id: str,
                  redis_url: str | None = None, lease_ttl_s: float = 5.0, max_depth: int | None = None,
-                 namespace: str | None = None, enable_ray_metrics: bool = True) -> None:
+                 namespace: str | None = None, enable_ray_metrics: bool = True,
+                 stream_batching: StreamBatching | dict[str, Any] | None = None,
+                 thread_rule: dict[str, int] | None = None) -> None:
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
+        if thread_rule is not None and cfg.num_threads is None and cfg.device == "cpu":
+            rule = dict(thread_rule)
+            cpus = rule.pop("node_cpus", None) or available_cpus()
+            cfg = dataclasses.replace(cfg, num_threads=engine_threads(cpus, **rule))
         self.worker_id = worker_id
+        self.batching = StreamBatching.from_options(stream_batching)
         self.engine = AsyncEngine(cfg)
         self.metrics = WorkerMetrics(worker_id, enable_ray=enable_ray_metrics)
         self.publisher = None
@@ -85,9 +104,9 @@ class WorkerServer:
 
     async def generate(self, request: GenerateRequest, chunk_hashes: list[int] | None = None
                        ) -> AsyncIterator[GenerateDelta]:
-        """Stream the request's deltas (``chunk_hashes`` is read by the router, not needed here)."""
+        """Stream the request's deltas, coalesced (``chunk_hashes`` is read by the router, not needed here)."""
         self.start_publishing()
-        async with contextlib.aclosing(self.engine.generate(request)) as gen:
+        async with contextlib.aclosing(self.engine.generate(request, self.batching)) as gen:
             async for delta in gen:
                 yield delta
 
@@ -98,7 +117,8 @@ class WorkerServer:
                 "kv_chunks_cached": st.get("kv_chunks_cached", 0), "worker_id": self.worker_id}
 
     def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "worker_id": self.worker_id}
+        return {**self.engine.stats(), "worker_id": self.worker_id,
+                "num_threads": self.engine.core.config.num_threads}
 
     def shutdown(self) -> None:
         if self._pub_task is not None:
@@ -135,9 +155,12 @@ def build_worker_deployment(name: str = "Worker", num_replicas: int | str = 1,
     @serve.deployment(**opts)
     class Worker:
         def __init__(self, engine_config: dict[str, Any], redis_url: str | None = None,
-                     lease_ttl_s: float = 5.0, namespace: str | None = None) -> None:
+                     lease_ttl_s: float = 5.0, namespace: str | None = None,
+                     stream_batching: dict[str, Any] | None = None,
+                     thread_rule: dict[str, int] | None = None) -> None:
             worker_id = serve.get_replica_context().replica_id.unique_id
-            self.server = WorkerServer(engine_config, worker_id, redis_url, lease_ttl_s, namespace=namespace)
+            self.server = WorkerServer(engine_config, worker_id, redis_url, lease_ttl_s, namespace=namespace,
+                                       stream_batching=stream_batching, thread_rule=thread_rule)
             # Serve runs the constructor on the replica's event loop: report from the start (without a
             # running loop the first request starts it).
             with contextlib.suppress(RuntimeError):

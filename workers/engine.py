@@ -20,6 +20,7 @@ from chunkserve.workers.chunk_pool import KVCacheFull
 from chunkserve.workers.config import ModelConfig
 from chunkserve.workers.kvcache import PrefixKVCache
 from chunkserve.workers.output import Detokenizer, StepOutput
+from chunkserve.workers.protocol import InvalidRequestError, KVPoolTooSmallError, PromptTooLongError
 from chunkserve.workers.runner import ModelRunner
 from chunkserve.workers.sampler import Sampler
 from chunkserve.workers.sampling import SamplingParams
@@ -92,19 +93,19 @@ class EngineCore:
                     salt: bytes = b"") -> Request:
         """Queue a request; raises ValueError (for this request only) if it can never be served."""
         if request_id in self._requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) + 1 > self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds the context length {self.max_model_len}")
+            raise PromptTooLongError(f"prompt of {len(ids)} tokens exceeds the context length {self.max_model_len}")
         c = self.cache.chunk_size
         usable = self.cache.pool.num_chunks - self.cache.num_pinned_chunks
         if -(-(len(ids) + 1) // c) > usable:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the KV pool ({usable * c} tokens)")
+            raise KVPoolTooSmallError(f"prompt of {len(ids)} tokens does not fit the KV pool ({usable * c} tokens)")
         req = Request(request_id, ids, params, salt, arrival=time.monotonic())
         self._requests[request_id] = req
         self._detok[request_id] = Detokenizer(self.tokenizer, params)

@@ -6,17 +6,67 @@ An engine takes a `GenerateRequest` and streams `GenerateDelta`s as an async gen
         ...
 
 Aborting (closing the generator, or `engine.abort(request_id)`) frees the request's KV chunks.
+A request the engine cannot serve fails with a typed `EngineError` (below); frontends map the type, never
+the message, to a status code. This module (and `sampling.py`) imports neither torch nor the model, so a
+frontend that only tokenises can use it.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from chunkserve.workers.sampling import SamplingParams
 
 
+# ---- errors ---------------------------------------------------------------------------------------------
+class EngineError(RuntimeError):
+    """A request failed inside the engine (the message says why); other requests are unaffected.
+
+    Subclasses say what went wrong; ``kind`` is a stable name for logs and metrics. Instances carry only
+    their message, so they pickle across Ray."""
+
+    kind: ClassVar[str] = "engine_error"
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request itself is invalid (empty prompt, token ids out of the vocabulary, duplicate id)."""
+
+    kind: ClassVar[str] = "invalid_request"
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus one generated token) exceeds the engine's context length."""
+
+    kind: ClassVar[str] = "prompt_too_long"
+
+
+class KVPoolTooSmallError(InvalidRequestError):
+    """The request needs more KV chunks than the engine's pool can ever hold."""
+
+    kind: ClassVar[str] = "kv_pool_too_small"
+
+
+class InvalidSamplingError(InvalidRequestError):
+    """The sampling parameters are invalid."""
+
+    kind: ClassVar[str] = "invalid_sampling"
+
+
+class EngineStepError(EngineError):
+    """The engine failed while running the request (a step raised); the request was aborted."""
+
+    kind: ClassVar[str] = "step_failed"
+
+
+class EngineDeadError(EngineError):
+    """The engine is gone (shut down, its thread or its replica died); retrying elsewhere may succeed."""
+
+    kind: ClassVar[str] = "engine_gone"
+
+
+# ---- requests and deltas ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str
@@ -28,6 +78,8 @@ class GenerateRequest:
 
 @dataclass
 class GenerateDelta:
+    """New output of one request. A coalesced stream item is one delta carrying several tokens."""
+
     request_id: str
     token_ids: list[int]  # new tokens since the last delta
     text: str  # detokenised text of those tokens (may be "" while a UTF-8 sequence is incomplete)
@@ -47,3 +99,9 @@ class EngineProtocol(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> dict: ...
+
+
+__all__ = [
+    "EngineDeadError", "EngineError", "EngineProtocol", "EngineStepError", "GenerateDelta", "GenerateRequest",
+    "InvalidRequestError", "InvalidSamplingError", "KVPoolTooSmallError", "PromptTooLongError",
+]

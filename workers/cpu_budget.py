@@ -1,0 +1,25 @@
+"""How many engine threads a worker gets on a small machine (torch-free, shared by workers and the launcher).
+
+Rule: the engine (torch intra-op) threads of all workers on a node sum to at most the node's cores minus
+``reserved_cpus`` (the ingress, the HTTP/gRPC proxies and Ray's own processes), shared evenly, and every
+worker gets at least one thread. Oversubscribing cores is what hurts most: an OpenMP step waits for its
+slowest thread, so one thread preempted by the ingress stalls the whole step.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def available_cpus() -> int:
+    """Cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def engine_threads(node_cpus: int, workers_on_node: int = 1, reserved_cpus: int = 1) -> int:
+    """``max(1, (node_cpus - reserved_cpus) // workers_on_node)``: 1 on a 2-core node with one worker,
+    7 each for 2 workers on 16 cores."""
+    return max(1, (int(node_cpus) - max(0, int(reserved_cpus))) // max(1, int(workers_on_node)))

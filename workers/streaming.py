@@ -1,0 +1,107 @@
+"""Coalesced token streams: fewer, larger stream items between the engine and the frontends.
+
+Behind Ray Serve every stream item costs a serialisation, an RPC and a wake-up in the worker, the ingress
+and the proxy, so a served request pays that per token unless its tokens travel together. `coalesce`
+reads one request's deltas from the queue the engine thread fills and yields merged deltas:
+
+* the first delta goes out at once, alone (time to first token is never delayed);
+* after that, items are paced: a delta that arrives at least ``interval_s`` after the previous item went
+  out is sent at once; one that arrives sooner waits, collecting more deltas, until ``interval_s`` after
+  the previous item, ``max_tokens`` tokens, or the request's last delta, whichever comes first;
+* deltas already queued (a consumer that fell behind) are drained into one item without waiting.
+
+A stream whose tokens come slower than ``interval_s`` is therefore never delayed; a fast one is sent at
+most once per interval. Torch-free, like `protocol.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from chunkserve.workers.protocol import GenerateDelta
+
+
+@dataclass(frozen=True)
+class StreamBatching:
+    """How a request's deltas are coalesced into stream items (``interval_s=0``: one item per delta)."""
+
+    interval_s: float = 0.02
+    max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= float(self.interval_s) <= 1.0:
+            raise ValueError(f"interval_s must be in [0, 1] seconds, got {self.interval_s!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval_s > 0.0 and self.max_tokens > 1
+
+    @classmethod
+    def from_options(cls, options: StreamBatching | dict[str, Any] | None) -> StreamBatching:
+        if isinstance(options, StreamBatching):
+            return options
+        return cls(**(options or {}))
+
+
+def merge_deltas(deltas: Sequence[GenerateDelta]) -> GenerateDelta:
+    """One delta equal to ``deltas`` in order: tokens, text and logprobs concatenated, counters and the
+    finish reason of the last, the first token's time of the first that has one."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    tokens: list[int] = []
+    for d in deltas:
+        tokens += d.token_ids
+    logprobs: list[float] | None = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
+    first_time = next((d.first_token_time for d in deltas if d.first_token_time is not None), None)
+    return GenerateDelta(request_id=last.request_id, token_ids=tokens, text="".join(d.text for d in deltas),
+                         num_prompt_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
+                         num_output_tokens=last.num_output_tokens, finish_reason=last.finish_reason,
+                         logprobs=logprobs, first_token_time=first_time, extra=last.extra)
+
+
+async def coalesce(queue: asyncio.Queue, batching: StreamBatching) -> AsyncIterator[GenerateDelta]:
+    """The deltas put on ``queue`` (an exception put there is raised, after the tokens before it), merged
+    as the module docstring says; ends after the delta with a finish reason."""
+    loop = asyncio.get_running_loop()
+    interval, cap = batching.interval_s, batching.max_tokens
+    last_sent: float | None = None  # loop time of the previous item; None before the first
+    while True:
+        item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        batch = [item]
+        n, done, error = len(item.token_ids), item.finish_reason is not None, None
+        if last_sent is not None:
+            deadline = last_sent + interval
+            while n < cap and not done:
+                if queue.empty():
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        break
+                    try:
+                        async with asyncio.timeout(remaining):
+                            nxt = await queue.get()
+                    except TimeoutError:
+                        break
+                else:
+                    nxt = queue.get_nowait()
+                if isinstance(nxt, BaseException):
+                    error = nxt
+                    break
+                batch.append(nxt)
+                n += len(nxt.token_ids)
+                done = nxt.finish_reason is not None
+        last_sent = loop.time()
+        yield merge_deltas(batch)
+        if done:
+            return
+        if error is not None:
+            raise error
