@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import random
@@ -174,31 +175,61 @@ def ttft_cached_vs_uncached(loaded: LoadedModel, n_p: int, chunk: int, threads: 
     return {"ttft_uncached_s": u, "ttft_cached_s": c, "speedup": u / c}
 
 
-def interleaved_decode(loaded: LoadedModel, b: int, n_p: int, n_s: int, chunk: int, threads: int | None,
-                       steps: int = 10) -> dict[str, float]:
-    """Median decode step time of TPP and paged on the same prompts, their steps alternated.
+class HFStaticStepper:
+    """HF's model driven step by step over a `StaticCache` (what `generate` does per step, minus its
+    bookkeeping): prefill the whole batch, then one greedy decode step per call."""
 
-    Both engines prefill first; then one decode step of each in turn, so both see the same load
+    def __init__(self, prompts: list[list[int]], n_c: int, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM, StaticCache
+
+        self.model = AutoModelForCausalLM.from_pretrained(embedded_checkpoint_dir(), dtype=dtype).eval()
+        ids = torch.tensor(prompts)  # [b, n_p]
+        cache = StaticCache(config=self.model.config, max_cache_len=ids.shape[1] + n_c + 1)
+        # transformers >= 5.x names the argument `cache`; earlier releases `past_key_values`
+        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.kw: dict[str, Any] = {name: cache, "use_cache": True}
+        self.pos = ids.shape[1]
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, cache_position=torch.arange(self.pos), **self.kw)
+        self.next = out.logits[:, -1].argmax(-1, keepdim=True)  # [b, 1]
+
+    def step(self) -> None:
+        with torch.inference_mode():
+            out = self.model(input_ids=self.next, cache_position=torch.tensor([self.pos]), **self.kw)
+        self.next = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.pos += 1
+
+
+def interleaved_decode(loaded: LoadedModel, b: int, n_p: int, n_s: int, chunk: int, threads: int | None,
+                       steps: int = 10, hf: bool = False) -> dict[str, float]:
+    """Median decode step time of TPP and paged (and HF StaticCache) on the same prompts, steps alternated.
+
+    Every system prefills first; then one decode step of each in turn, so all see the same load
     (for a noisy shared machine, where back-to-back runs see different load)."""
     prompts = make_prompts(b, n_p, n_s, loaded.config.vocab_size, 3)
     n_c = steps + 2
-    cores = {}
+    stepper: dict[str, Any] = {}
     for name, share in (("tpp", True), ("paged", False)):
         core = EngineCore(engine_config(loaded, prompts, n_c, share, chunk, threads), loaded=loaded)
         for i, p in enumerate(prompts):
             core.add_request(str(i), p, SamplingParams(max_tokens=n_c, temperature=0.0, ignore_eos=True))
         while core.scheduler.waiting or any(r.prefilling or not r.output for r in core.scheduler.running):
             core.step()
-        cores[name] = core
-    times: dict[str, list[float]] = {k: [] for k in cores}
+        stepper[name] = core.step
+    if hf:
+        stepper["hf_static"] = HFStaticStepper(prompts, n_c, loaded.model.lm_head.dtype).step
+    times: dict[str, list[float]] = {k: [] for k in stepper}
     for _ in range(steps):
-        for name, core in cores.items():
+        for name, step in stepper.items():
             t0 = time.perf_counter()
-            core.step()
+            step()
             times[name].append(time.perf_counter() - t0)
-    tpp, paged = statistics.median(times["tpp"]), statistics.median(times["paged"])
-    return {"b": b, "n_p": n_p, "n_s": n_s, "tpp_step_ms": 1e3 * tpp, "paged_step_ms": 1e3 * paged,
-            "tpp_speedup": paged / tpp}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    res = {"b": b, "n_p": n_p, "n_s": n_s, "tpp_step_ms": 1e3 * med["tpp"], "paged_step_ms": 1e3 * med["paged"],
+           "tpp_speedup": med["paged"] / med["tpp"]}
+    if hf:
+        res |= {"hf_static_step_ms": 1e3 * med["hf_static"], "tpp_vs_hf_static": med["hf_static"] / med["tpp"]}
+    return res
 
 
 def warm_up(loaded: LoadedModel, chunk: int, threads: int | None) -> None:
@@ -225,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ttft", action="store_true", help="skip the cached-vs-uncached TTFT check")
     ap.add_argument("--no-poisson", action="store_true")
     ap.add_argument("--interleaved", type=int, nargs=2, metavar=("N_P", "N_S"),
-                    help="only the interleaved TPP-vs-paged decode check at (n_p, n_s), --batch rows")
+                    help="only the interleaved decode check at (n_p, n_s), --batch rows: TPP, paged and HF StaticCache "
+                         "(unless --no-hf) steps alternated")
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     b, n_c = (16, 32) if args.quick else (args.batch, args.n_c)
@@ -233,10 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.interleaved:
         res = interleaved_decode(load_model(None, dtype=args.dtype), args.batch, *args.interleaved,
-                                 args.chunk_size, args.threads)
-        print(f"{args.dtype} b={res['b']} n_p={res['n_p']} n_s={res['n_s']}: median decode step TPP "
-              f"{res['tpp_step_ms']:.1f} ms, paged {res['paged_step_ms']:.1f} ms -> TPP x{res['tpp_speedup']:.2f} "
-              f"(load {os.getloadavg()[0]:.1f})")
+                                 args.chunk_size, args.threads, hf=not args.no_hf)
+        hf_txt = (f", HF StaticCache {res['hf_static_step_ms']:.1f} ms -> TPP x{res['tpp_vs_hf_static']:.2f} over HF"
+                  if "hf_static_step_ms" in res else "")
+        print(f"{args.dtype} b={res['b']} n_p={res['n_p']} n_s={res['n_s']} threads={args.threads}: median decode "
+              f"step TPP {res['tpp_step_ms']:.1f} ms, paged {res['paged_step_ms']:.1f} ms -> TPP "
+              f"x{res['tpp_speedup']:.2f}{hf_txt} (load {os.getloadavg()[0]:.1f})")
         return 0
     load = os.getloadavg()
     print(f"b={b} n_c={n_c} chunk={args.chunk_size} threads={args.threads} dtype={args.dtype} "
