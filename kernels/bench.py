@@ -215,6 +215,7 @@ def plot(rows: list[dict[str, float]], path: Path) -> bool:
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="chunkserve bench kernel", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="reduced table (< 2 min)")
+    p.add_argument("--n-p", type=int, nargs="+", default=None, help="only these prompt lengths of the full table")
     p.add_argument("--backend", choices=["torch", "triton"], default=None, help="default: triton on cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -261,6 +262,8 @@ def main(argv: list[str]) -> int:
     # (a roofline must be a lower bound, and other processes may share this machine)
     rates = [measure_machine(device, DTYPES[args.dtype], timer, args.copy_mib, args.matmul_n)]
     configs = QUICK if args.quick else FULL
+    if args.n_p:
+        configs = [(n_p, n_s) for n_p in args.n_p for n_s in (0, n_p // 2, 3 * n_p // 4, n_p)]
     raw: list[dict[str, float]] = []
     for n_p in sorted({n for n, _ in configs}):
         group = [cfg for cfg in configs if cfg[0] == n_p]
