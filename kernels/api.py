@@ -40,7 +40,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def get_decode_fn(backend: str) -> DecodeFn:
-    """The decode function ``fn(q_sorted, k_pool_l, v_pool_l, ctx, scale, out=None, workspace=None)``."""
+    """The decode function ``fn(q_sorted, k_pool_l, v_pool_l, ctx, scale, out=None, workspace=None)``.
+
+    For the torch backends the in-place CPU kernel is built (or loaded from its cache) here, so that
+    an engine pays for it at start-up, not on its first request.
+    """
+    if backend in ("torch", "paged-torch"):
+        from chunkserve.kernels.cpu_kernel import load_cpu_kernel
+
+        load_cpu_kernel()
     if backend == "torch":
         from chunkserve.kernels.tpp_torch import tpp_decode_torch
 
