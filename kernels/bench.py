@@ -153,7 +153,8 @@ def format_table(rows: list[dict[str, float]], machine: Machine, args: argparse.
             f"{'(best)':>6} {'TPP/paged':>9} | {'TPP MB':>7} {'paged MB':>8} {'roof µs':>8} {'TPP eff':>7}")
     lines = [f"kernel microbenchmark: b={args.batch} Hq={args.heads} Hkv={args.kv_heads} d={args.head_dim} "
              f"c={args.chunk_size} dtype={args.dtype} device={args.device} backend={args.backend} "
-             f"(µs, median of {args.repeats}); {cpu_model()}, {torch.get_num_threads()} threads, "
+             f"(µs, median of {args.repeats}{', process CPU time' if args.cpu_time else ''}); {cpu_model()}, "
+             f"{torch.get_num_threads()} threads, "
              f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC",
              "TPP/best: TPP over the fastest non-sharing method (naive or SDPA on contiguous K/V, or paged)",
              head, "-" * len(head)]
@@ -215,6 +216,8 @@ def plot(rows: list[dict[str, float]], path: Path) -> bool:
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="chunkserve bench kernel", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="reduced table (< 2 min)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="one thread, timed by process CPU time (robust on a machine shared with other jobs)")
     p.add_argument("--n-p", type=int, nargs="+", default=None, help="only these prompt lengths of the full table")
     p.add_argument("--backend", choices=["torch", "triton"], default=None, help="default: triton on cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -257,7 +260,9 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     device = torch.device(args.device)
-    timer = Timer(device, use_graphs=args.backend == "triton")  # the torch path syncs (host loops)
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    timer = Timer(device, use_graphs=args.backend == "triton", cpu_time=args.cpu_time)
     # machine rates are measured before, between and after the groups; the best of them is kept
     # (a roofline must be a lower bound, and other processes may share this machine)
     rates = [measure_machine(device, DTYPES[args.dtype], timer, args.copy_mib, args.matmul_n)]

@@ -35,9 +35,12 @@ class Timer:
     a timing round replays them in turn, so on GPUs the next call's data is not in L2.
     """
 
-    def __init__(self, device: torch.device, use_graphs: bool = True) -> None:
+    def __init__(self, device: torch.device, use_graphs: bool = True, cpu_time: bool = False) -> None:
+        """cpu_time: on CPUs, time by this process's CPU time instead of the wall clock (meaningful
+        with one thread only: it ignores time other processes take from a shared machine)."""
         self.device = device
         self.use_graphs = use_graphs and device.type == "cuda"
+        self.clock = time.process_time if cpu_time and device.type != "cuda" else time.perf_counter
 
     def prepare(self, fns: list[Fn]) -> list[Fn]:
         if not self.use_graphs:
@@ -70,11 +73,11 @@ class Timer:
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3 / (inner * len(fns))
-        t0 = time.perf_counter()
+        t0 = self.clock()
         for _ in range(inner):
             for f in fns:
                 f()
-        return (time.perf_counter() - t0) / (inner * len(fns))
+        return (self.clock() - t0) / (inner * len(fns))
 
 
 def median_us(samples: list[float]) -> float:
