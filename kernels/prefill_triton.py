@@ -1,8 +1,9 @@
 """Prefill attention over a cached prefix in Triton: grid (row, kv head, packed query tile).
 
 Each program holds ``BLOCK_M`` packed (token, GQA head) query rows of one sequence and walks the
-sequence's chunks in order, skipping chunks that start after its last query position; keys are
-masked by the chunk's valid tokens and by causality (key position <= query position).
+sequence's chunks in order up to the last chunk that starts before its last query position (found
+once, up front, so that the key loop itself has no branch and pipelines); keys are masked by the
+chunk's valid tokens and by causality (key position <= query position).
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from chunkserve.kernels.tpp_triton import _chunk_update, check_triton_inputs, dot_modes
+from chunkserve.kernels.triton_common import _attend, check_triton_inputs, dot_flags, rows_config
 
 
 @triton.jit
 def _prefill_kernel(Q, K, V, Out, table, tokens, block_pos, q_start, cu_q, scale, width,
                     stride_qt, stride_qh, stride_kh, stride_kn, stride_kt,
                     G: tl.constexpr, HEAD_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QK_NATIVE: tl.constexpr,
-                    PV_TF32: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
+                    NATIVE: tl.constexpr, SPLIT_P: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     t_lo = tl.load(cu_q + b)
@@ -31,23 +32,25 @@ def _prefill_kernel(Q, K, V, Out, table, tokens, block_pos, q_start, cu_q, scale
         head = h * G + offs_m % G
         q_pos = tl.load(q_start + b) + tok
         max_pos = tl.load(q_start + b) + (tl.minimum((tl.program_id(2) + 1) * BLOCK_M, n_b * G) - 1) // G + 1
+        row_table = b * width
+        # chunks past the last one holding a key at or before this tile's last query are skipped
+        end = tl.program_id(0) * 0
+        for w0 in range(0, width, BLOCK_W):
+            offs_w = w0 + tl.arange(0, BLOCK_W)
+            in_w = offs_w < width
+            nt = tl.load(tokens + row_table + offs_w, mask=in_w, other=0)
+            pos0 = tl.load(block_pos + row_table + offs_w, mask=in_w, other=max_pos)
+            end = tl.maximum(end, tl.max(tl.where((nt > 0) & (pos0 < max_pos), offs_w + 1, 0), 0))
         offs_d = tl.arange(0, BLOCK_D)
-        dmask = offs_d < HEAD_D
-        qmask = mask_m[:, None] & dmask[None, :]
+        qmask = mask_m[:, None] & (offs_d < HEAD_D)[None, :]
         q_ptrs = Q + (t_lo + tok[:, None]).to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=qmask, other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for jj in range(0, width):
-            nt = tl.load(tokens + b * width + jj)
-            pos0 = tl.load(block_pos + b * width + jj)
-            if (nt > 0) & (pos0 < max_pos):
-                ch = tl.load(table + b * width + jj).to(tl.int64)
-                base = h.to(tl.int64) * stride_kh + ch * stride_kn
-                acc, m_i, l_i = _chunk_update(q, acc, m_i, l_i, K + base, V + base, nt, offs_d, dmask, scale,
-                                              stride_kt, CHUNK, BLOCK_N, QK_NATIVE, PV_TF32, pos0, q_pos,
-                                              CAUSAL=True)
+        acc, m_i, l_i = _attend(q, acc, m_i, l_i, K, V, h.to(tl.int64) * stride_kh, table + row_table,
+                                tokens + row_table, 0, end, offs_d, scale, stride_kn, stride_kt, CHUNK, BLOCK_N,
+                                HEAD_D, BLOCK_D, NATIVE, SPLIT_P, block_pos + row_table, q_pos, CAUSAL=True)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o_ptrs = Out + (t_lo + tok[:, None]).to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=qmask)
@@ -68,21 +71,20 @@ def prefill_triton(
     if q.shape[0] == 0 or b == 0:
         return out
     dev = q.device
-    table = block_table.to(device=dev, dtype=torch.int32).contiguous()
-    toks = block_tokens.to(device=dev, dtype=torch.int32).contiguous()
-    block_pos = (torch.cumsum(toks, dim=1, dtype=torch.int32) - toks).contiguous()
+    table = block_table.to(device=dev, dtype=torch.int32).contiguous()  # [b, width]
+    toks = block_tokens.to(device=dev, dtype=torch.int32).contiguous()  # [b, width]
+    block_pos = (torch.cumsum(toks, dim=1, dtype=torch.int32) - toks).contiguous()  # [b, width]
     q_start = torch.tensor(starts, dtype=torch.int32, device=dev)
     cu_q = torch.tensor(cu, dtype=torch.int32, device=dev)
     max_rows = max(cu[i + 1] - cu[i] for i in range(b)) * g
-    block_m = 16 if max_rows <= 16 else 32 if max_rows <= 32 else 64
-    block_d = max(16, triton.next_power_of_2(d))
-    block_n = max(16, min(c, 64 if block_d <= 128 else 32))
-    qk_native, pv_tf32 = dot_modes(q.dtype, dev)
+    cfg = rows_config(d, max_rows, q.dtype)
+    block_m = cfg.block_m
+    width = table.shape[1]
     grid = (b, hkv, triton.cdiv(max_rows, block_m))
     _prefill_kernel[grid](
-        q, k_pool_l, v_pool_l, out, table, toks, block_pos, q_start, cu_q, scale, table.shape[1],
+        q, k_pool_l, v_pool_l, out, table, toks, block_pos, q_start, cu_q, scale, width,
         q.stride(0), q.stride(1), k_pool_l.stride(0), k_pool_l.stride(1), k_pool_l.stride(2),
-        G=g, HEAD_D=d, CHUNK=c, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        QK_NATIVE=qk_native, PV_TF32=pv_tf32,
+        G=g, HEAD_D=d, CHUNK=c, BLOCK_M=block_m, **cfg.constexprs(),
+        BLOCK_W=max(16, min(256, triton.next_power_of_2(width))), **dot_flags(q.dtype, dev), **cfg.options(),
     )
     return out

@@ -16,7 +16,8 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
     pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1 before import", allow_module_level=True)
 
-from chunkserve.kernels.tpp_triton import tpp_decode_triton  # noqa: E402
+from chunkserve.kernels.paged_triton import paged_decode_triton  # noqa: E402
+from chunkserve.kernels.tpp_triton import max_private_chunks, pick_kv_split, tpp_decode_triton  # noqa: E402
 
 DEV = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -77,6 +78,46 @@ def test_phase1_split_partials_merge_exactly(cache_tree, check, n_split):
     assert check.rel_err(o, ref) < 1e-5
 
 
+@pytest.mark.parametrize("kv_split", [2, 3, 7])
+def test_phase2_kv_split_segments_merge_to_the_unsplit_result(cache_tree, check, kv_split):
+    """Flash-decoding: each row's private chunks cut into kv_split segments (some empty, one row has
+    none) whose partials the reduce kernel merges with the phase-1 run partials; NaN pool."""
+    tree = cache_tree(13, 2, 64, 16, torch.float32, device=DEV)
+    base = [1, 2, 3, 4] * 12  # 48 tokens: 3 chunks shared by every row
+    ids = [tree.add(base + [tree.rint(0, 4) for _ in range(n)]) for n in (0, 5, 37, 120)]
+    ctx = tree.cache.context(ids)
+    private = (ctx.seq_chunk_ptr[1:] - ctx.seq_chunk_ptr[:-1]).cpu()
+    assert ctx.num_runs > 0 and int(private.min()) == 0 and int(private.max()) > kv_split
+    q = torch.randn(len(ids), 4, 64, generator=tree.gen).to(DEV)
+    q_sorted = q.index_select(0, ctx.order.to(DEV))
+    pools = tree.cache.k_pool[0], tree.cache.v_pool[0]
+    ref = tree.reference(q_sorted.cpu(), [ids[i] for i in ctx.order.tolist()], 0.125)
+    outs = {"tpp": tpp_decode_triton(q_sorted, *pools, ctx, 0.125, kv_split=kv_split),
+            "tpp+phase1 split": tpp_decode_triton(q_sorted, *pools, ctx, 0.125, n_split=2, kv_split=kv_split),
+            "paged": paged_decode_triton(q_sorted, *pools, ctx, 0.125, kv_split=kv_split)}
+    for name, o in outs.items():
+        assert check.rel_err(o, ref) < 1e-5, name
+
+
+def test_kv_split_is_chosen_only_when_rows_x_heads_underfill_the_gpu():
+    sms = 132
+    assert pick_kv_split(8 * 8, 64, 64, sms) == 5  # 64 programs: five segments make two waves
+    assert pick_kv_split(32 * 8, 64, 64, sms) == 2
+    assert pick_kv_split(64 * 8, 64, 64, sms) == 1  # already two waves
+    assert pick_kv_split(8 * 8, 12, 64, sms) == 1  # 768 tokens: one 512-slot segment at most
+    assert pick_kv_split(8 * 8, 64, 16, sms) == 2  # 1024 tokens of c=16: two segments of 512
+    assert pick_kv_split(1, 10_000, 64, sms) == 64  # capped
+    assert pick_kv_split(8, 64, 64, 0) == 1  # no GPU
+
+
+def test_private_chunk_bound_covers_every_row(cache_tree):
+    tree = cache_tree(17, 1, 64, 16, torch.float32, device=DEV)
+    ids = tree.grow(8, max_len=90, decode_steps=2)
+    ctx = tree.cache.context(ids)
+    counts = (ctx.seq_chunk_ptr[1:] - ctx.seq_chunk_ptr[:-1]).cpu()
+    assert int(counts.max()) <= max_private_chunks(ctx) <= ctx.block_table.shape[1]
+
+
 def test_triton_head_dim_80_and_chunk_64(cache_tree, check):
     tree = cache_tree(8, 2, 80, 64, torch.float32, device=DEV)
     ids = tree.grow(3, max_len=100, decode_steps=1)
@@ -95,6 +136,9 @@ def test_triton_outputs_are_deterministic(cache_tree):
     o1 = decode_attention(q, *pools, ctx, backend="triton")
     o2 = decode_attention(q, *pools, ctx, backend="triton")
     assert torch.equal(o1, o2)
+    s1 = tpp_decode_triton(q, *pools, ctx, 0.125, kv_split=3)
+    s2 = tpp_decode_triton(q, *pools, ctx, 0.125, kv_split=3)
+    assert torch.equal(s1, s2)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter-only restriction")
