@@ -17,6 +17,8 @@ before importing this module to run on CPUs.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -178,14 +180,22 @@ def pick_kv_split(programs: int, max_chunks: int, c: int, sms: int) -> int:
     return max(1, min(triton.cdiv(2 * sms, max(1, programs)), longest, 64))
 
 
-def max_private_chunks(ctx: ChunkContext) -> int:
+def max_private_chunks(ctx: ChunkContext, workspace: object | None = None) -> int:
     """Host-side bound on any row's private chunk count (no device sync): the widest row minus the
-    fewest chunks a row reads through phase 1."""
-    shared = [0] * ctx.batch_size
+    fewest chunks a row reads through phase 1. O(runs + rows); memoised per context in a
+    ``Workspace`` (the same for every layer of a step)."""
+    memo = getattr(workspace, "memo", None)
+    hit = memo.get(("max_private_chunks", id(ctx))) if memo is not None else None
+    if hit is not None and hit[0] is ctx:
+        return hit[1]
+    diff = [0] * (ctx.batch_size + 1)  # chunks read through runs, as a difference array over rows
     for i, j, _a, n, _c in ctx.runs_host:
-        for row in range(i, j):
-            shared[row] += n
-    return max(0, int(ctx.block_table.shape[1]) - min(shared, default=0))
+        diff[i] += n
+        diff[j] -= n
+    bound = max(0, int(ctx.block_table.shape[1]) - min(itertools.accumulate(diff[:-1]), default=0))
+    if memo is not None:
+        workspace.remember(("max_private_chunks", id(ctx)), (ctx, bound))  # type: ignore[union-attr]
+    return bound
 
 
 def decode_phase2(q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, o: torch.Tensor,
@@ -270,6 +280,6 @@ def tpp_decode_triton(
         runs = None
     ptr = ctx.seq_chunk_ptr
     private = (ptr, ptr[1:] - ptr[:-1], nonempty(ctx.seq_chunks), nonempty(ctx.seq_tokens))
-    kv_split = kv_split or pick_kv_split(b * hkv, max_private_chunks(ctx), c, sm_count(dev))
+    kv_split = kv_split or pick_kv_split(b * hkv, max_private_chunks(ctx, workspace), c, sm_count(dev))
     decode_phase2(q_sorted, k_pool_l, v_pool_l, o, runs, private, (po, pm, pl, split, npart), scale, kv_split)
     return o

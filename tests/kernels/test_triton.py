@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from chunkserve.kernels import chunk_attention, decode_attention
 from chunkserve.kernels.testing import random_tree, sdpa_reference
+from chunkserve.kernels.torch_ops import Workspace
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
@@ -116,6 +117,8 @@ def test_private_chunk_bound_covers_every_row(cache_tree):
     ctx = tree.cache.context(ids)
     counts = (ctx.seq_chunk_ptr[1:] - ctx.seq_chunk_ptr[:-1]).cpu()
     assert int(counts.max()) <= max_private_chunks(ctx) <= ctx.block_table.shape[1]
+    ws = Workspace()
+    assert max_private_chunks(ctx, ws) == max_private_chunks(ctx) == max_private_chunks(ctx, ws)
 
 
 def test_triton_head_dim_80_and_chunk_64(cache_tree, check):
