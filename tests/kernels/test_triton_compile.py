@@ -3,7 +3,7 @@
 One subprocess (without TRITON_INTERPRET, which replaces the kernels at import) compiles every
 kernel at a representative set of specialisations (``compile_check.default_specs``: bf16 and
 fp16, head dims 64/128/256, chunk sizes 16/64, both archs) and reports ptxas's register and spill
-counts and the asynchronous copies in the PTX. About two minutes of ptxas on a small CPU: slow.
+counts and the asynchronous copies in the PTX. 55-90 s of ptxas on a loaded 2-core machine: slow.
 """
 
 from __future__ import annotations
