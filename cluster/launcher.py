@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--config", default=None, help="YAML of AppConfig fields (CLI flags win)")
     ap.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray (default: all)")
     ap.add_argument("--engine", default=None, help="JSON of EngineConfig fields, e.g. '{\"chunk_size\": 32}'")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on CPUs with native bf16)")
+    ap.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 linears")
     ap.add_argument("--exit-after", type=float, default=None, help=argparse.SUPPRESS)  # tests
     return ap.parse_args(argv)
 
@@ -63,6 +65,9 @@ def app_config(args: argparse.Namespace, redis_url: str) -> Any:
         base["tenants"] = args.tenants
     if args.engine:
         base["engine"] = {**base.get("engine", {}), **json.loads(args.engine)}
+    for key in ("dtype", "quantization"):
+        if getattr(args, key) is not None:
+            base["engine"] = {**base.get("engine", {}), key: getattr(args, key)}
     if args.num_cpus and not args.address:
         base.setdefault("node_cpus", args.num_cpus)  # the local Ray node has that many CPUs: budget those
     base["redis_url"] = redis_url

@@ -19,6 +19,7 @@ import torch
 from chunkserve.workers.chunk_pool import KVCacheFull
 from chunkserve.workers.config import ModelConfig
 from chunkserve.workers.kvcache import PrefixKVCache
+from chunkserve.workers.linear import QUANT_MODES
 from chunkserve.workers.output import Detokenizer, StepOutput
 from chunkserve.workers.protocol import InvalidRequestError, KVPoolTooSmallError, PromptTooLongError
 from chunkserve.workers.runner import ModelRunner
@@ -33,7 +34,8 @@ class EngineConfig:
     """Engine options. ``model``: None (embedded SmolLM2), a local HF dir, "random:<preset>" or a config."""
 
     model: Any = None
-    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = fp32 on CPU, bf16 on CUDA
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: bf16 on CUDA and on CPUs with
+    # AVX512-BF16/AMX (workers/device.py), fp32 on other CPUs
     device: str = "cpu"
     chunk_size: int = 64
     share_prefix: bool = True
@@ -47,6 +49,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's setting
     prepack_weights: bool = True  # CPU: keep a oneDNN-blocked copy of the matmul weights (faster, 2x memory)
+    quantization: str | None = None  # "int8": weight-only per-channel int8 linears of the layers (lm_head dense)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError("kv_cache_gb must be > 0")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
+        if self.quantization is not None and self.quantization not in QUANT_MODES:
+            raise ValueError(f"quantization must be one of {QUANT_MODES} or None, got {self.quantization!r}")
 
 
 class EngineCore:
@@ -68,10 +73,12 @@ class EngineCore:
         if loaded is None:
             loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
+        if cfg.quantization is not None and self.model.quantization != cfg.quantization:
+            self.model.quantize(cfg.quantization)  # before prepack: only what stays dense is packed
         if cfg.prepack_weights:
             self.model.prepack()  # CPU fp32/bf16: oneDNN-blocked weights (a no-op otherwise)
         mc: ModelConfig = self.model_config
-        dtype = self.model.lm_head.dtype
+        dtype = self.model.dtype
         per_chunk = 2 * mc.num_layers * mc.num_kv_heads * cfg.chunk_size * mc.head_dim * dtype.itemsize
         num_chunks = cfg.num_kv_chunks or max(4, int(cfg.kv_cache_gb * 2**30) // per_chunk)
         self.cache = PrefixKVCache(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.chunk_size, num_chunks,

@@ -6,15 +6,29 @@ The engine flattens the tokens of every sequence in a step into one batch of T r
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from chunkserve.workers.config import ModelConfig
+from chunkserve.workers.linear import (
+    QUANT_MODES,
+    Int8Weight,
+    LinearFn,
+    int8_linear,
+    onednn_packing_available,
+    pack_weight,
+    packed_linear,
+    plain_linear,
+)
+from chunkserve.workers.rope import rope_inv_freq
+
+__all__ = ["AttentionFn", "CausalLM", "DenseCausalAttention", "LayerWeights", "Weight", "rope_inv_freq"]
+
+Weight = torch.Tensor | Int8Weight  # a matmul weight: dense in the model dtype, or weight-only int8
 
 
 class AttentionFn(Protocol):
@@ -25,136 +39,142 @@ class AttentionFn(Protocol):
         ...
 
 
-def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [D/2] fp32, attention scaling) for the config's RoPE type (default, linear, llama3)."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [D/2]
-    rs = cfg.rope_scaling
-    if rs is None:
-        return inv_freq, 1.0
-    rtype = rs["rope_type"]
-    if rtype == "linear":
-        return inv_freq / float(rs["factor"]), 1.0
-    if rtype == "llama3":
-        factor = float(rs["factor"])
-        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
-        old_len = float(rs["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, scaled), 1.0
-    if rtype == "yarn":
-        return _yarn_inv_freq(cfg, rs)
-    raise NotImplementedError(f"RoPE scaling type {rtype!r} is not implemented")
-
-
-def _yarn_inv_freq(cfg: ModelConfig, rs: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
-    """YaRN (arXiv 2309.00071) as transformers computes it: ramped inv_freq blend + cos/sin attention factor."""
-    d, base = cfg.head_dim, cfg.rope_theta
-    orig = int(rs.get("original_max_position_embeddings") or cfg.max_position_embeddings)
-    factor = float(rs.get("factor") or cfg.max_position_embeddings / orig)
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attn_factor = rs.get("attention_factor")
-    if attn_factor is None:
-        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
-        attn_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-
-    def corr_dim(rot: float) -> float:
-        return (d * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = corr_dim(float(rs.get("beta_fast") or 32)), corr_dim(float(rs.get("beta_slow") or 1))
-    if rs.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, d - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [D/2]
-    pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attn_factor)
-
-
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer, with q/k/v and gate/up fused into single matmuls."""
+    """One decoder layer, with q/k/v and gate/up fused into single matmuls (concatenated at load)."""
 
     ln1: torch.Tensor  # [H]
-    w_qkv: torch.Tensor  # [Hq*D + 2*Hkv*D, H]
+    w_qkv: Weight  # [Hq*D + 2*Hkv*D, H]
     b_qkv: torch.Tensor | None  # [Hq*D + 2*Hkv*D]
-    w_o: torch.Tensor  # [H, Hq*D]
+    w_o: Weight  # [H, Hq*D]
     b_o: torch.Tensor | None  # [H]
     ln2: torch.Tensor  # [H]
-    w_gate_up: torch.Tensor  # [2*I, H]
+    w_gate_up: Weight  # [2*I, H]
     b_gate_up: torch.Tensor | None  # [2*I]
-    w_down: torch.Tensor  # [H, I]
+    w_down: Weight  # [H, I]
     b_down: torch.Tensor | None  # [H]
+
+    def matmuls(self) -> tuple[tuple[Weight, torch.Tensor | None], ...]:
+        """(weight, bias) of qkv, o, gate_up, down, in the order the layer runs them."""
+        return ((self.w_qkv, self.b_qkv), (self.w_o, self.b_o), (self.w_gate_up, self.b_gate_up),
+                (self.w_down, self.b_down))
 
 
 class CausalLM:
     """A Llama-family decoder over flattened tokens. Build with `from_state_dict` or `random`."""
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+                 norm: torch.Tensor, lm_head: Weight) -> None:
         self.config = config
         self.embed = embed  # [V, H]
         self.layers = layers
         self.norm = norm  # [H]
-        self.lm_head = lm_head  # [V, H]; the same tensor as embed when tied
+        self.lm_head = lm_head  # [V, H]; the same tensor as embed when tied (until quantised)
         self.dtype = embed.dtype
         self.device = embed.device
+        self.quantization: str | None = None
         inv_freq, scale = rope_inv_freq(config)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2] fp32
         self._cos = (freqs.cos() * scale).to(device=self.device, dtype=self.dtype)  # [P, D/2]
         self._sin = (freqs.sin() * scale).to(device=self.device, dtype=self.dtype)  # [P, D/2]
-        self._packed: list[tuple[torch.Tensor, ...]] | None = None  # oneDNN-blocked weights (see prepack)
+        # 0-dim fp32 constants of the RMSNorm: hidden size and epsilon
+        self._width = torch.tensor(float(config.hidden_size), device=self.device)
+        self._eps = torch.tensor(config.rms_norm_eps, dtype=torch.float32, device=self.device)
+        self._packed: list[tuple[torch.Tensor | None, ...]] | None = None  # oneDNN-blocked weights (prepack)
         self._packed_head: torch.Tensor | None = None
+        self._batch_hint = 32
+        # the bound matmuls of every layer (qkv, o, gate_up, down) for one row and for more rows
+        self._fns_row: list[tuple[LinearFn, ...]] = []
+        self._fns_rows: list[tuple[LinearFn, ...]] = []
+        self._head_row: LinearFn = plain_linear(embed, None)
+        self._head_rows: LinearFn = self._head_row
+        self._bind()
+
+    def _linear_fns(self, w: Weight, b: torch.Tensor | None, packed: torch.Tensor | None) -> tuple[LinearFn, LinearFn]:
+        """(one-row, multi-row) matmul of one weight: int8 as is; dense through oneDNN when packed, except
+        one fp32 row, where MKL's GEMV is faster than the blocked kernel (bf16 F.linear would re-pack)."""
+        if isinstance(w, Int8Weight):
+            fn = int8_linear(w, b, self.dtype)
+            return fn, fn
+        if packed is None:
+            fn = plain_linear(w, b)
+            return fn, fn
+        rows = packed_linear(packed, b)
+        return (plain_linear(w, b) if self.dtype == torch.float32 else rows), rows
+
+    def _bind(self) -> None:
+        """Rebuild the bound matmuls after the weights or their packed copies change."""
+        self._fns_row, self._fns_rows = [], []
+        for i, lw in enumerate(self.layers):
+            pk = self._packed[i] if self._packed is not None else (None, None, None, None)
+            pairs = [self._linear_fns(w, b, p) for (w, b), p in zip(lw.matmuls(), pk, strict=True)]
+            self._fns_row.append(tuple(p[0] for p in pairs))
+            self._fns_rows.append(tuple(p[1] for p in pairs))
+        self._head_row, self._head_rows = self._linear_fns(self.lm_head, None, self._packed_head)
 
     def prepack(self, batch_hint: int = 32) -> bool:
-        """Reorder the matmul weights once into oneDNN's blocked layout (CPU fp32/bf16); returns whether.
+        """Reorder the dense matmul weights once into oneDNN's blocked layout (CPU fp32/bf16); returns whether.
 
         Plain `F.linear` re-packs the weight on every call; the packed form skips that (about 1.3x
-        faster decode matmuls in bf16, 1.4x in fp32, lm_head 1.7x). bf16 results are bit-identical;
-        fp32 ones differ from MKL's in the last bits (another summation order), like any other
-        blocking. Costs one extra copy of the weights in memory.
+        faster decode matmuls in bf16, 1.4x in fp32 at 2+ rows, lm_head 1.7x). bf16 results are
+        bit-identical; fp32 ones differ from MKL's in the last bits (another summation order), like any
+        other blocking. One fp32 row still goes through MKL's GEMV (faster there). Costs one extra copy
+        of the dense weights in memory; int8 weights are not packed.
         """
         if self._packed is not None:
             return True
-        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
+        if not onednn_packing_available(self.dtype, self.device):
             return False
-        mkldnn = torch.ops.mkldnn
-        if not (hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")):
-            return False
-        if self.dtype == torch.bfloat16 and not mkldnn._is_mkldnn_bf16_supported():
-            return False
-
-        def pack(w: torch.Tensor) -> torch.Tensor:
-            return mkldnn._reorder_linear_weight(w, batch_hint)
-
         try:
-            lw = self.layers[0]
-            probe = torch.randn(3, lw.w_qkv.shape[1], generator=torch.Generator().manual_seed(0)).to(self.dtype)
-            got, want = self._packed_linear(probe, pack(lw.w_qkv), lw.b_qkv), F.linear(probe, lw.w_qkv, lw.b_qkv)
+            g = torch.Generator().manual_seed(0)
+            w, b = torch.randn(24, 64, generator=g).to(self.dtype), torch.randn(24, generator=g).to(self.dtype)
+            probe = torch.randn(3, 64, generator=g).to(self.dtype)
+            got, want = packed_linear(pack_weight(w, batch_hint), b)(probe), F.linear(probe, w, b)
             same = torch.equal(got, want) if self.dtype == torch.bfloat16 else torch.allclose(got, want, 1e-4, 1e-5)
             if not same:
                 return False
-            self._packed = [(pack(lw.w_qkv), pack(lw.w_o), pack(lw.w_gate_up), pack(lw.w_down)) for lw in self.layers]
+
+            def pack(w: Weight) -> torch.Tensor | None:
+                return None if isinstance(w, Int8Weight) else pack_weight(w, batch_hint)
+
+            self._packed = [tuple(pack(w) for w, _ in lw.matmuls()) for lw in self.layers]
             self._packed_head = pack(self.lm_head)
         except RuntimeError:  # an ATen build without these oneDNN ops
             self._packed = self._packed_head = None
             return False
+        self._batch_hint = batch_hint
+        self._bind()
         return True
 
-    @staticmethod
-    def _packed_linear(x: torch.Tensor, w_packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, w_packed, b, "none", [], "")
+    def quantize(self, mode: str, *, lm_head: bool = False) -> None:
+        """Weight-only quantisation of every layer's linears (and of the lm_head with `lm_head=True`).
+
+        mode: "int8" (per-output-channel symmetric, see `Int8Weight`). The embedding table stays dense
+        (a tied lm_head gets its own int8 copy); norms and biases stay in the model dtype. The dense
+        matmul weights (and their packed copies) are released. The lm_head stays dense by default: on
+        SmolLM2-135M an int8 head is ~10% faster at batch 1 but slower at batch 32 and halves the greedy
+        agreement with fp32 (benchmarks/bench_quant.py).
+        """
+        if mode not in QUANT_MODES:
+            raise ValueError(f"unsupported quantization {mode!r}; expected one of {QUANT_MODES} or None")
+        if self.quantization is not None:
+            raise ValueError(f"the model is already quantised ({self.quantization})")
+
+        def q(w: Weight) -> Int8Weight:
+            return w if isinstance(w, Int8Weight) else Int8Weight.quantize(w)
+
+        self.layers = [LayerWeights(
+            ln1=lw.ln1, w_qkv=q(lw.w_qkv), b_qkv=lw.b_qkv, w_o=q(lw.w_o), b_o=lw.b_o, ln2=lw.ln2,
+            w_gate_up=q(lw.w_gate_up), b_gate_up=lw.b_gate_up, w_down=q(lw.w_down), b_down=lw.b_down,
+        ) for lw in self.layers]
+        if lm_head:
+            self.lm_head = q(self.lm_head)
+        self.quantization = mode
+        if self._packed is not None:
+            self._packed = None
+            self.prepack(self._batch_hint)  # keeps a packed copy of what is still dense (an fp32 lm_head)
+        self._bind()
 
     def kv_bytes_per_token(self) -> int:
         """K and V bytes one token occupies across all layers, in the model dtype."""
@@ -234,12 +254,17 @@ class CausalLM:
         return cls(config, embed, layers, ones(h), lm_head)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Hugging Face names (unfused), e.g. to save a random model with `save_checkpoint`."""
+        """Hugging Face names (unfused), e.g. to save a random model with `save_checkpoint`.
+
+        Quantised weights come back dequantised (in the model dtype): the values this model computes with."""
         c = self.config
         sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
         if not c.tie_word_embeddings:
-            sd["lm_head.weight"] = self.lm_head
+            sd["lm_head.weight"] = self._dense(self.lm_head)
         for i, lw in enumerate(self.layers):
+            lw = LayerWeights(ln1=lw.ln1, w_qkv=self._dense(lw.w_qkv), b_qkv=lw.b_qkv, w_o=self._dense(lw.w_o),
+                              b_o=lw.b_o, ln2=lw.ln2, w_gate_up=self._dense(lw.w_gate_up), b_gate_up=lw.b_gate_up,
+                              w_down=self._dense(lw.w_down), b_down=lw.b_down)
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             sd[f"model.layers.{i}.input_layernorm.weight"] = lw.ln1
             sd[f"model.layers.{i}.post_attention_layernorm.weight"] = lw.ln2
@@ -259,23 +284,33 @@ class CausalLM:
                 sd[m + "down_proj.bias"] = lw.b_down
         return {k: v.contiguous() for k, v in sd.items()}
 
-    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]; computed in fp32 like transformers, then cast back before the weight multiply
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return w * xf.to(x.dtype)
+    def _dense(self, w: Weight) -> torch.Tensor:
+        return w.dequantize(self.dtype) if isinstance(w, Int8Weight) else w
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, Hx, D]; cos/sin: [T, 1, D/2]; rotate-half convention (first half / second half)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> [T, H]: transformers' formula (fp32 statistics, cast back to x's dtype *before* the
+        # weight multiply), bit for bit, in 7 plain ops: F.rms_norm dispatches ~24, the 0-dim constants
+        # spare two scalar-to-tensor copies per call (small ops cost far more between large matmuls
+        # than in a micro-benchmark: their code and data are out of cache)
+        xf = x if x.dtype == torch.float32 else x.float()
+        inv = torch.mul(xf, xf).sum(-1, keepdim=True).div_(self._width).add_(self._eps).rsqrt_()  # [T, 1]
+        y = torch.mul(xf, inv)
+        return (y if y.dtype == x.dtype else y.to(x.dtype)).mul_(w)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-step RoPE factors for `positions` [T]: (cos [T, 1, D], signed sin [T, 1, D]) such that
+        rope(x) = x * cos + swap_halves(x) * sin, i.e. transformers' rotate-half with -sin folded in."""
+        cos = self._cos.index_select(0, positions)  # [T, D/2]
+        sin = self._sin.index_select(0, positions)  # [T, D/2]
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """Run all layers over T flattened tokens; returns the final-normed hidden states [T, H].
 
         Positions are range-checked when they are on the CPU (no device sync otherwise; an out-of-range
-        index then fails inside index_select)."""
+        index then fails inside index_select). Everything per step (RoPE factors, the matmul set for
+        this T) is prepared once, so the layer loop holds no host syncs and ~20 small calls per layer."""
         c = self.config
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must both be 1-D [T]; got {tuple(input_ids.shape)} "
@@ -285,26 +320,20 @@ class CausalLM:
             raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings "
                              f"{c.max_position_embeddings}")
         input_ids = input_ids.to(self.device)
-        positions = positions.to(self.device)
-        cos = self._cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
-        sin = self._sin.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
+        cos, sin = self.rope_tables(positions.to(self.device))  # [T, 1, D] each
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        qk_size = c.q_size + c.kv_size
-        h = self.embed.index_select(0, input_ids)  # [T, H]
-        packed = self._packed
-        lin = self._packed_linear if packed is not None else F.linear
-        for i, lw in enumerate(self.layers):
-            w_qkv, w_o, w_gate_up, w_down = packed[i] if packed is not None else (
-                lw.w_qkv, lw.w_o, lw.w_gate_up, lw.w_down)
-            x = self._rms_norm(h, lw.ln1)
-            qkv = lin(x, w_qkv, lw.b_qkv)  # [T, (Hq + 2*Hkv) * D]
-            qk = self._rope(qkv[:, :qk_size].view(t, hq + hkv, d), cos, sin)  # q and k heads in one go
+        half, qk_size, q_size = d // 2, c.q_size + c.kv_size, c.q_size
+        h = self.embed.index_select(0, input_ids)  # [T, H], our own buffer: residual adds go in place
+        fns = self._fns_row if t == 1 else self._fns_rows
+        for i, (lw, (f_qkv, f_o, f_gate_up, f_down)) in enumerate(zip(self.layers, fns, strict=True)):
+            qkv = f_qkv(self._rms_norm(h, lw.ln1))  # [T, (Hq + 2*Hkv) * D]
+            qk = qkv[:, :qk_size].view(t, hq + hkv, d)  # q and k heads, RoPE'd in one go
+            rot = torch.cat((qk[..., half:], qk[..., :half]), -1).mul_(sin).addcmul_(qk, cos)  # [T, Hq+Hkv, D]
             # q: [T, Hq, D], k: [T, Hkv, D], v: [T, Hkv, D] (strided views)
-            o = attn(i, qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(t, hkv, d))  # [T, Hq, D]
-            h.add_(lin(o.reshape(t, c.q_size), w_o, lw.b_o))  # h is our own buffer: add in place
-            x = self._rms_norm(h, lw.ln2)
-            gate, up = lin(x, w_gate_up, lw.b_gate_up).chunk(2, dim=-1)  # views [T, I] x2
-            h.add_(lin(F.silu(gate, inplace=True).mul_(up), w_down, lw.b_down))
+            o = attn(i, rot[:, :hq], rot[:, hq:], qkv[:, qk_size:].view(t, hkv, d))  # [T, Hq, D]
+            h.add_(f_o(o.reshape(t, q_size)))
+            gate, up = f_gate_up(self._rms_norm(h, lw.ln2)).chunk(2, dim=-1)  # views [T, I] x2
+            h.add_(f_down(F.silu(gate, inplace=True).mul_(up)))
         return self._rms_norm(h, self.norm)
 
     __call__ = forward
@@ -312,9 +341,8 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, H] (from `forward`) -> fp32 logits [n, V]."""
-        if self._packed_head is not None:
-            return self._packed_linear(hidden, self._packed_head, None).float()
-        return F.linear(hidden, self.lm_head).float()
+        head = self._head_row if hidden.shape[0] == 1 else self._head_rows
+        return head(hidden).float()
 
 
 class DenseCausalAttention:

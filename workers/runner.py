@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from chunkserve.kernels.api import decode_attention
+from chunkserve.kernels.api import DecodeFn, check_decode_inputs, get_decode_fn, resolve_backend
 from chunkserve.kernels.context import ChunkContext
 from chunkserve.kernels.prefill import prefill_attention
 from chunkserve.kernels.torch_ops import Workspace
@@ -24,12 +24,14 @@ class StepAttention:
     """The `AttentionFn` of one step: K/V writes + prefill attention + decode attention."""
 
     def __init__(self, cache: PrefixKVCache, plan: StepPlan, decode_backend: str, prefill_backend: str,
-                 scale: float, workspace: Workspace | None = None) -> None:
+                 scale: float, workspace: Workspace | None = None, pools: PoolViews | None = None) -> None:
         dev = cache.pool.device
         c = cache.chunk_size
         self.cache = cache
+        self.pools = pools if pools is not None else PoolViews(cache)
         self.scale = scale
         self.decode_backend = decode_backend
+        self._decode_fn: DecodeFn | None = None  # resolved on the first decode layer of the step
         self.prefill_backend = prefill_backend
         self.workspace = workspace
         if workspace is not None:
@@ -70,30 +72,54 @@ class StepAttention:
         return prefill_attention(q, kp, vp, self.block_table, self.block_tokens, self.q_start, self.cu_q,
                                  self.scale, self.prefill_backend)
 
+    def _decode(self, layer: int, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
+                out: torch.Tensor | None) -> torch.Tensor:
+        # q: [b, Hq, D] in tree order -> [b, Hq, D]; inputs are validated on the first layer only
+        # (every layer of a step has the same shapes, dtypes and context)
+        if self.ctx is None:
+            raise RuntimeError("decode rows without a decode context")
+        if layer == 0 or self._decode_fn is None:
+            check_decode_inputs(q, kp, vp, self.ctx.batch_size)
+            self._decode_fn = get_decode_fn(resolve_backend(self.decode_backend, q.device))
+        return self._decode_fn(q, kp, vp, self.ctx, self.scale, out=out, workspace=self.workspace)
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D], k, v: [T, Hkv, D] -> o: [T, Hq, D]
-        kp, vp = self.cache.k_pool[layer], self.cache.v_pool[layer]  # [Hkv, N, c, D] (contiguous)
-        hkv, n, c, d = kp.shape
+        kp, vp = self.pools.k[layer], self.pools.v[layer]  # [Hkv, N, c, D] (contiguous)
         # the same scatter as `cache.write`, as one index_copy_ per pool on the flat slot index
         if self.write_rows is not None:
             k, v = k.index_select(0, self.write_rows), v.index_select(0, self.write_rows)
-        kp.view(hkv, n * c, d).index_copy_(1, self.slots, k.transpose(0, 1).to(kp.dtype))
-        vp.view(hkv, n * c, d).index_copy_(1, self.slots, v.transpose(0, 1).to(vp.dtype))
+        if k.dtype != kp.dtype:
+            k, v = k.to(kp.dtype), v.to(vp.dtype)
+        self.pools.k_flat[layer].index_copy_(1, self.slots, k.transpose(0, 1))
+        self.pools.v_flat[layer].index_copy_(1, self.slots, v.transpose(0, 1))
         if self.cache.pending_copies:
             self.cache.apply_copies(layer)
         tp = self.num_prefill
         if tp == q.shape[0]:
             return self._prefill(q, kp, vp)
-        if self.ctx is None:
-            raise RuntimeError("decode rows without a decode context")
         if tp == 0:
-            return decode_attention(q, kp, vp, self.ctx, self.scale, self.decode_backend,
-                                    workspace=self.workspace)
+            return self._decode(layer, q, kp, vp, None)
         o = torch.empty_like(q)
         o[:tp] = self._prefill(q[:tp], kp, vp)
-        decode_attention(q[tp:], kp, vp, self.ctx, self.scale, self.decode_backend, out=o[tp:],
-                         workspace=self.workspace)
+        self._decode(layer, q[tp:], kp, vp, o[tp:])
         return o
+
+
+class PoolViews:
+    """Per-layer views of the cache's K/V pools, made once instead of twice per layer per step."""
+
+    def __init__(self, cache: PrefixKVCache) -> None:
+        self.k_pool, self.v_pool = cache.k_pool, cache.v_pool  # [L, Hkv, N, c, D]
+        _l, hkv, n, c, d = self.k_pool.shape
+        self.k = list(self.k_pool.unbind(0))  # L x [Hkv, N, c, D]
+        self.v = list(self.v_pool.unbind(0))
+        self.k_flat = [t.view(hkv, n * c, d) for t in self.k]  # L x [Hkv, N*c, D]: flat slot index
+        self.v_flat = [t.view(hkv, n * c, d) for t in self.v]
+
+    def current(self, cache: PrefixKVCache) -> bool:
+        """Whether these views still belong to the cache's pool tensors."""
+        return cache.k_pool is self.k_pool and cache.v_pool is self.v_pool
 
 
 class ModelRunner:
@@ -107,6 +133,7 @@ class ModelRunner:
         self.prefill_backend = prefill_backend
         self.scale = model.config.head_dim ** -0.5
         self.workspace = Workspace()  # decode scratch buffers, reused by every layer of every step
+        self.pools = PoolViews(cache)
         self.tokens_computed = 0  # total tokens run through the model (prefill + decode)
 
     @torch.inference_mode()
@@ -129,8 +156,10 @@ class ModelRunner:
             ids += [req.output[-1] for req in plan.decodes]
             pos += [len(req.prompt) + len(req.output) - 1 for req in plan.decodes]
         dev = self.cache.pool.device
+        if not self.pools.current(self.cache):
+            self.pools = PoolViews(self.cache)
         attn = StepAttention(self.cache, plan, self.decode_backend, self.prefill_backend, self.scale,
-                             self.workspace)
+                             self.workspace, self.pools)
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
                                     torch.tensor(pos, dtype=torch.long, device=dev), attn)  # [T, H]
         self.tokens_computed += len(ids)

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from chunkserve.workers.config import ModelConfig, preset_config
+from chunkserve.workers.device import default_dtype
 from chunkserve.workers.model import CausalLM
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
@@ -182,16 +183,15 @@ def load_checkpoint_dir(path: str | os.PathLike[str], *, dtype: torch.dtype, dev
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
-    """Default fp32 on CPU, bf16 on CUDA. CPU accepts fp32/bf16, CUDA fp16/bf16/fp32."""
+    """None/"auto": bf16 on CUDA (fp16 without bf16) and on CPUs with native bf16 (AVX512-BF16/AMX), fp32 on
+    other CPUs (see `device.default_dtype`). CPU accepts fp32/bf16, CUDA fp16/bf16/fp32."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} requested but CUDA is not available")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {str(device)!r}; use 'cpu' or 'cuda[:n]'")
     if dtype is None or dtype == "auto":
-        if dev.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        return default_dtype(dev)
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
     dt = names.get(dtype) if isinstance(dtype, str) else dtype

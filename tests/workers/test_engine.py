@@ -56,7 +56,7 @@ def test_greedy_matches_hf_generate_with_requests_joining_mid_run(hf_dir, share:
     path, hf = hf_dir
     prompts = prompts_with_shared_prefixes()
     expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
-    core = EngineCore(EngineConfig(model=path, chunk_size=16, share_prefix=share, num_kv_chunks=256,
+    core = EngineCore(EngineConfig(model=path, dtype="float32", chunk_size=16, share_prefix=share, num_kv_chunks=256,
                                    max_num_batched_tokens=96,
                                    attention_backend="torch" if share else "paged-torch"))
     got: dict[str, list[int]] = {}
@@ -160,7 +160,7 @@ def test_fully_cached_prompt_stays_shared_and_runs_its_last_token_for_logits_onl
     path, hf = hf_dir
     prompt = [(11 * i) % 500 + 1 for i in range(64)]  # exactly 4 chunks of 16
     expected = hf_greedy(hf, prompt, GREEDY.max_tokens)
-    core = EngineCore(EngineConfig(model=path, chunk_size=16, num_kv_chunks=64))
+    core = EngineCore(EngineConfig(model=path, dtype="float32", chunk_size=16, num_kv_chunks=64))
     for rid in ("first", "second"):
         core.add_request(rid, prompt, GREEDY)
     got: dict[str, list[int]] = {}
@@ -184,9 +184,9 @@ def test_fully_cached_prompt_stays_shared_and_runs_its_last_token_for_logits_onl
 def test_prepack_weights_option_controls_the_packed_copy_and_outputs_agree(hf_dir) -> None:
     path, _ = hf_dir
     prompts = prompts_with_shared_prefixes(4)[:3]
-    plain = LLM(model=path, chunk_size=16, num_kv_chunks=64, prepack_weights=False)
+    plain = LLM(model=path, dtype="float32", chunk_size=16, num_kv_chunks=64, prepack_weights=False)
     assert plain.engine.model._packed is None
-    packed = LLM(model=path, chunk_size=16, num_kv_chunks=64)
+    packed = LLM(model=path, dtype="float32", chunk_size=16, num_kv_chunks=64)
     if packed.engine.model._packed is None:
         pytest.skip("this CPU/ATen build has no oneDNN packed linear")
     assert [o.token_ids for o in packed.generate(prompts, GREEDY)] == [

@@ -68,7 +68,7 @@ def test_local_hf_dir_loads_and_matches_transformers(tmp_path: Path, kind: str) 
     else:
         cfg = LlamaConfig(**_SMALL, attention_bias=True, mlp_bias=True)
     path, hf = _write_hf_dir(tmp_path, cfg)
-    model, tok, mc = load_model(str(path))
+    model, tok, mc = load_model(str(path), dtype="float32")
     assert mc.tie_word_embeddings == (kind == "qwen2-tied")
     if kind == "qwen2-tied":
         assert mc.qkv_bias and not mc.o_bias and model.lm_head is model.embed
@@ -87,9 +87,9 @@ def test_local_hf_dir_loads_and_matches_transformers(tmp_path: Path, kind: str) 
 
 
 def test_save_checkpoint_roundtrip_of_random_model(tmp_path: Path) -> None:
-    loaded = load_model("random:tiny", tokenizer=False, seed=3)
+    loaded = load_model("random:tiny", tokenizer=False, seed=3, dtype="float32")
     save_checkpoint(loaded, tmp_path / "ckpt")
-    again = load_model(tmp_path / "ckpt", tokenizer=False)
+    again = load_model(tmp_path / "ckpt", tokenizer=False, dtype="float32")
     assert again.config == loaded.config
     ids = list(range(10, 30))
     assert torch.equal(_logits(again.model, ids), _logits(loaded.model, ids))
@@ -177,7 +177,7 @@ def test_embedded_smollm2_is_cached_and_matches_transformers_gguf(hf_gguf: tuple
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
     assert ckpt.parent.parent == cache_root()
     t0 = time.perf_counter()
-    model, tok, cfg = load_model()
+    model, tok, cfg = load_model(dtype="float32")
     cached_s = time.perf_counter() - t0
     assert cached_s < 8.0, f"cached load took {cached_s:.1f}s"
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers) == (9, 3, 64, 30)
