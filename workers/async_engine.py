@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from chunkserve.workers.engine import EngineConfig, EngineCore
@@ -75,9 +76,10 @@ class AsyncEngine:
         finished = False
         try:
             if batching is not None and batching.enabled:
-                async for item in coalesce(sink, batching):
-                    finished = item.finish_reason is not None
-                    yield item
+                async with aclosing(coalesce(sink, batching)) as items:
+                    async for item in items:
+                        finished = item.finish_reason is not None
+                        yield item
                 finished = True
                 return
             while True:
@@ -89,9 +91,8 @@ class AsyncEngine:
                 if item.finish_reason is not None:
                     finished = True
                     return
-        except BaseException as e:
-            if isinstance(e, EngineError):
-                finished = True  # the engine already dropped it
+        except EngineError:
+            finished = True  # the engine already dropped the request
             raise
         finally:
             with self._lock:

@@ -19,7 +19,7 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def engine_threads(node_cpus: int, workers_on_node: int = 1, reserved_cpus: int = 1) -> int:
-    """``max(1, (node_cpus - reserved_cpus) // workers_on_node)``: 1 on a 2-core node with one worker,
+def engine_threads(node_cpus: int, workers_per_node: int = 1, reserved_cpus: int = 1) -> int:
+    """``max(1, (node_cpus - reserved_cpus) // workers_per_node)``: 1 on a 2-core node with one worker,
     7 each for 2 workers on 16 cores."""
-    return max(1, (int(node_cpus) - max(0, int(reserved_cpus))) // max(1, int(workers_on_node)))
+    return max(1, (int(node_cpus) - max(0, int(reserved_cpus))) // max(1, int(workers_per_node)))

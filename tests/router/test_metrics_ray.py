@@ -5,6 +5,7 @@ and the router's decisions by reason."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import time
@@ -129,3 +130,34 @@ def test_metrics_show_every_worker_and_the_cluster(app: tuple[str, str]) -> None
     reasons = {_label(lab, "reason") for lab, _ in _samples(rtext, "ray_chunkserve_router_decisions_total")}
     assert reasons <= {"prefix_hit", "spill", "cold_hash", "redis_down", "no_chain"} and reasons
     assert sum(v for _, v in _samples(rtext, "ray_chunkserve_router_decisions_total")) >= 4
+
+
+def _mapped_libraries(role: str) -> list[str]:
+    """The shared objects mapped by each live Serve replica process of ``role`` (its process title)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or ())
+        if f"ServeReplica:chunkserve:{role}" in cmd:
+            try:
+                found.append(" ".join(m.path for m in p.memory_maps(grouped=True)))
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+    return found
+
+
+def test_the_ingress_replica_never_loads_torch_while_the_workers_do(app: tuple[str, str]) -> None:
+    base, _ = app
+    with httpx2.Client(base_url=base, timeout=60.0) as http:
+        body = {"model": MODEL, "prompt": PROMPT[:20], "max_tokens": 24, "temperature": 0.0}
+        full = http.post("/v1/completions", json=body).json()
+        r = http.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = [json.loads(ln[len("data: "):]) for ln in r.text.split("\n\n")
+              if ln.startswith("data: ") and ln != "data: [DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == full["choices"][0]["text"]
+    assert events[-1]["usage"] == full["usage"]  # a coalesced stream keeps the usage
+    ingress, workers = _mapped_libraries("Ingress"), _mapped_libraries("Worker")
+    assert ingress and workers
+    assert all("libtorch" not in maps for maps in ingress)
+    assert all("libtorch" in maps for maps in workers)

@@ -1,0 +1,407 @@
+"""Served vs offline: the served path's share of the engine's speed, and where a token's time goes.
+
+Runs one workload through a served app and through the offline engine (`chunkserve.LLM`'s `EngineCore`,
+stepped the way `LLM.generate` steps it) in the same run, one after the other (never both at once):
+
+  (a) single: one streaming chat of 64 greedy tokens;
+  (b) chat32: 32 concurrent streaming chats, 4 tenants x 8 users, a ~1000-token system prompt per
+      tenant, 64 greedy tokens each.
+
+It reports completion tok/s, TTFT p50, SSE events per request and, for the served runs, the CPU seconds
+spent by each process (engine worker, ingress, proxy, Ray system, the client itself), plus the
+served/offline ratios. Served modes: ``local`` (`LocalServer` in a child process: uvicorn + the ingress
++ an in-process engine) and ``ray`` (`chunkserve up` as a child process). Greedy decoding makes served
+and offline outputs the same tokens, so the ratios compare equal work.
+
+    .venv/bin/python benchmarks/bench_served.py                       # both modes, embedded SmolLM2
+    .venv/bin/python benchmarks/bench_served.py --mode local --json served.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+TENANTS = ("acme", "globex", "initech", "umbrella")
+USERS = ("Where is my order?", "How do I reset my password?", "Can I change my delivery address?",
+         "What is your refund policy?", "Do you ship abroad?", "How long does shipping take?",
+         "Can I pay by invoice?", "How do I close my account?")
+STORY = "Write a long and detailed story about a lighthouse keeper who finds a message in a bottle."
+MAX_TOKENS = 64
+
+
+def system_prompt(tokenizer: Any, tenant: str, target_tokens: int = 1000) -> str:
+    """A tenant's system prompt of about ``target_tokens`` tokens."""
+    parts = [f"You are the support assistant of {tenant.title()} Corporation."]
+    i = 1
+    while len(tokenizer.encode(" ".join(parts))) < target_tokens:
+        parts.append(f"Policy {i} of {tenant}: answer politely, cite policy number {i}, never promise a refund "
+                     f"before checking order {1000 + 7 * i}, and keep the answer under {40 + i % 9} words.")
+        i += 1
+    return " ".join(parts)
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt ids exactly as the ingress builds them (template text, then encode without specials)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def workloads(tokenizer: Any) -> dict[str, list[list[dict[str, str]]]]:
+    systems = {t: system_prompt(tokenizer, t) for t in TENANTS}
+    chats = [[{"role": "system", "content": systems[t]}, {"role": "user", "content": u}]
+             for t in TENANTS for u in USERS]
+    return {"single": [[{"role": "user", "content": STORY}]], "chat32": chats}
+
+
+def summarize(starts: list[float], firsts: list[float], ends: list[float], tokens: list[int],
+              events: list[int]) -> dict[str, Any]:
+    wall = max(ends) - min(starts)
+    ttfts = [f - s for f, s in zip(firsts, starts, strict=True)]
+    return {"requests": len(tokens), "completion_tokens": sum(tokens), "wall_s": round(wall, 3),
+            "tok_per_s": round(sum(tokens) / wall, 2), "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
+            "events_per_request": round(sum(events) / len(events), 1),
+            "ms_per_token": round(1000 * (ends[0] - firsts[0]) / max(1, tokens[0] - 1), 2)}
+
+
+# -- offline ------------------------------------------------------------------------------------------
+class Offline:
+    """The offline engine of `chunkserve.LLM`, stepped as `LLM.generate` steps it, timing each request."""
+
+    def __init__(self, model: str | None, threads: int | None, kv_cache_gb: float) -> None:
+        import torch
+
+        from chunkserve import LLM, SamplingParams
+
+        kw: dict[str, Any] = {"kv_cache_gb": kv_cache_gb}
+        if threads is not None:
+            kw["num_threads"] = threads
+        self.llm = LLM(model=model, **kw)
+        self.greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        self.torch_threads = torch.get_num_threads()
+        self.llm.generate(["warm up the engine"], SamplingParams(max_tokens=8, temperature=0.0))
+        self._n = 0
+
+    def run(self, convs: list[list[dict[str, str]]]) -> dict[str, Any]:
+        engine, tok = self.llm.engine, self.llm.tokenizer
+        prompts = [chat_ids(tok, c) for c in convs]
+        self._n += 1
+        t0, mono0 = time.perf_counter(), time.monotonic()
+        reqs = [engine.add_request(f"r{self._n}-{i}", p, self.greedy, salt=b"public") for i, p in enumerate(prompts)]
+        while engine.has_work():
+            engine.step()
+        t1 = time.perf_counter()
+        firsts = [t0 + (q.first_token_time - mono0) for q in reqs]
+        res = summarize([t0] * len(reqs), firsts, [t1] * len(reqs), [len(q.output) for q in reqs], [0] * len(reqs))
+        res["events_per_request"] = None
+        return res
+
+
+def serve_offline(model: str | None, threads: int | None, kv_cache_gb: float) -> None:
+    """Child-process body of the offline side: one workload name per stdin line, one JSON result per line."""
+    off = Offline(model, threads, kv_cache_gb)
+    convs = workloads(off.llm.tokenizer)
+    print(json.dumps({"torch_threads": off.torch_threads}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(off.run(convs[line.strip()])), flush=True)
+
+
+class OfflineProcess:
+    """The offline engine in a child process of its own session, so that the kernel's per-session CPU
+    fairness (autogroups) treats it like the served engine, which also runs in a session of its own."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        cmd = [sys.executable, __file__, "--serve-offline", "--kv-cache-gb", str(args.kv_cache_gb)]
+        if args.model:
+            cmd += ["--model", args.model]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.torch_threads = self._read()["torch_threads"]
+
+    def _read(self) -> dict[str, Any]:
+        while self.proc.stdout is not None:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("the offline engine process exited")
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError("no pipe to the offline engine process")
+
+    def run(self, name: str) -> dict[str, Any]:
+        if self.proc.stdin is None:
+            raise RuntimeError("no pipe to the offline engine process")
+        self.proc.stdin.write(name + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+# -- the client ---------------------------------------------------------------------------------------
+async def stream_chat(session: Any, model: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, events, usage = None, 0, None
+    async with session.post("/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            ev = json.loads(data)
+            if ev.get("usage"):
+                usage = ev["usage"]
+            choices = ev.get("choices")
+            if choices and choices[0]["delta"].get("content"):
+                events += 1
+                if first is None:
+                    first = time.perf_counter()
+    end = time.perf_counter()
+    if usage is None:
+        raise RuntimeError("the stream carried no usage chunk")
+    return {"start": t0, "first": first or end, "end": end, "tokens": usage["completion_tokens"], "events": events}
+
+
+async def run_served_once(url: str, model: str, convs: list[list[dict[str, str]]], pid: int) -> dict[str, Any]:
+    """One workload through the server: all conversations at once; CPU seconds per process role."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=900)) as s:
+        await stream_chat(s, model, [{"role": "user", "content": "warm up"}])
+        cpu0, self0 = cpu_by_process(pid), time.process_time()
+        rs = await asyncio.gather(*(stream_chat(s, model, c) for c in convs))
+        cpu1, self1 = cpu_by_process(pid), time.process_time()
+    res = summarize([r["start"] for r in rs], [r["first"] for r in rs], [r["end"] for r in rs],
+                    [r["tokens"] for r in rs], [r["events"] for r in rs])
+    cpu = {k: round(cpu1.get(k, 0.0) - cpu0.get(k, 0.0), 2) for k in cpu1}
+    res["cpu_s"] = {**{k: v for k, v in sorted(cpu.items()) if v > 0.05}, "client": round(self1 - self0, 2)}
+    return res
+
+
+# -- process accounting ---------------------------------------------------------------------------------
+def _group(cmd: list[str], name: str) -> str:
+    first = cmd[0] if cmd else name
+    for key, label in (("Worker", "worker"), ("Ingress", "ingress"), ("ProxyActor", "proxy"),
+                       ("ServeController", "serve_controller"), ("raylet", "raylet"), ("gcs_server", "gcs"),
+                       ("redis-server", "redis"), ("bench_served", "local_server"), ("chunkserve", "launcher")):
+        if key in first or key in " ".join(cmd[:3]):
+            return label
+    return "ray_other"
+
+
+def cpu_by_process(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of a process tree, summed by role."""
+    import psutil
+
+    out: dict[str, float] = defaultdict(float)
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[_group(p.cmdline(), p.name())] += t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return dict(out)
+
+
+# -- served modes -----------------------------------------------------------------------------------------
+def serve_local(port: int, model: str | None, threads: int | None, kv_cache_gb: float) -> None:
+    """Child-process body of ``--mode local``: LocalServer until stdin closes."""
+    from chunkserve.router.local_server import LocalServer, local_ingress
+    from chunkserve.workers.engine import EngineConfig
+
+    cfg = EngineConfig(model=model, num_threads=threads, kv_cache_gb=kv_cache_gb)
+    with LocalServer(lambda: local_ingress(cfg, model_name="bench"), http_port=port, grpc_port=None):
+        import torch
+
+        print(f"READY engine threads per worker: {torch.get_num_threads()}", flush=True)
+        sys.stdin.read()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(mode: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str, str, str]:
+    """(process, URL, model name, what it said about its engine threads)."""
+    port = _free_port()
+    if mode == "local":
+        cmd = [sys.executable, __file__, "--serve-local", str(port), "--kv-cache-gb", str(args.kv_cache_gb)]
+        if args.model:
+            cmd += ["--model", args.model]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        ready, model_name = "READY", "bench"
+    else:
+        cmd = [str(Path(sys.executable).with_name("chunkserve")), "up", "--workers", str(args.workers),
+               "--http-port", str(port), "--grpc-port", str(_free_port())]
+        if args.model:
+            cmd += ["--model", args.model]
+        engine: dict[str, Any] = {"kv_cache_gb": args.kv_cache_gb}
+        if args.threads:
+            engine["num_threads"] = args.threads
+        cmd += ["--engine", json.dumps(engine)]
+        ready, model_name = "chunkserve is up", "smollm2-135m-instruct"
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 600
+    lines: list[str] = []
+    threads = "not reported (a Ray actor without num_cpus: OMP_NUM_THREADS=1)"
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline() if proc.stdout is not None else ""
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"{mode} server exited:\n" + "".join(lines[-40:]))
+        lines.append(line)
+        if "engine threads" in line:
+            threads = line.strip()
+        if ready in line:
+            if mode == "ray":  # `chunkserve up` prints its endpoints (and its engine threads) after this line
+                while proc.stdout is not None and "Ctrl-C" not in line:
+                    line = proc.stdout.readline()
+                    threads = line.strip() if "engine threads" in line else threads
+            break
+    else:
+        raise TimeoutError(f"{mode} server did not start")
+    if "engine threads" in line:
+        threads = line.strip()
+    return proc, f"http://127.0.0.1:{port}", model_name, threads
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_mode(mode: str, args: argparse.Namespace, convs: dict[str, list], offline: OfflineProcess
+             ) -> dict[str, Any]:
+    """Rounds of (served, offline) per workload, alternating, so that both see the same background load."""
+    try:
+        proc, url, model_name, threads = start_server(mode, args)
+    except RuntimeError as e:  # e.g. a free port taken in between by Ray itself: once more, on new ports
+        print(f"{mode} server failed to start, retrying: {str(e)[-300:]}", flush=True)
+        proc, url, model_name, threads = start_server(mode, args)
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in convs}
+    try:
+        for _ in range(args.rounds):
+            for name, cs in convs.items():
+                try:
+                    served = asyncio.run(run_served_once(url, model_name, cs, proc.pid))
+                except Exception as e:  # the server died (a shared machine): start it again, run once more
+                    print(f"{mode} server lost ({e!r}); restarting", flush=True)
+                    stop_server(proc)
+                    proc, url, model_name, threads = start_server(mode, args)
+                    served = asyncio.run(run_served_once(url, model_name, cs, proc.pid))
+                off = offline.run(name)
+                served["ratio_vs_offline"] = round(served["tok_per_s"] / off["tok_per_s"], 3)
+                rounds[name].append({"served": served, "offline": off})
+                print(f"{mode} {name}: served {json.dumps(served)}\n  offline {json.dumps(off)}", flush=True)
+    finally:
+        stop_server(proc)
+    return {"engine_threads": threads, **rounds}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["local", "ray", "both"], default="both")
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--threads", type=int, default=None, help="engine threads (default: each side's own rule)")
+    ap.add_argument("--workers", type=int, default=1, help="worker replicas in --mode ray")
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool per engine (served and offline)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating (served, offline) rounds per workload")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--serve-local", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-offline", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve_local is not None:
+        serve_local(args.serve_local, args.model, args.threads, args.kv_cache_gb)
+        return 0
+    if args.serve_offline:
+        serve_offline(args.model, args.threads, args.kv_cache_gb)
+        return 0
+    from transformers import PreTrainedTokenizerFast
+
+    from chunkserve.workers.weights import embedded_checkpoint_dir
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(embedded_checkpoint_dir()), local_files_only=True)
+    convs = workloads(tok)
+    offline = OfflineProcess(args)
+    results: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(), "model": args.model or "embedded",
+                               "system_prompt_tokens": len(chat_ids(tok, convs["chat32"][0][:1])),
+                               "offline_torch_threads": offline.torch_threads, "load_avg_start": os.getloadavg()}
+    modes = ["local", "ray"] if args.mode == "both" else [args.mode]
+    try:
+        for mode in modes:
+            results[mode] = run_mode(mode, args, convs, offline)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1))
+    finally:
+        offline.close()
+    results["load_avg_end"] = os.getloadavg()
+    print(f"\nCPU: {results['cpu']} ({results['cores']} cores), load avg {results['load_avg_start'][0]:.1f} -> "
+          f"{results['load_avg_end'][0]:.1f}; offline torch threads {offline.torch_threads}; "
+          f"served: {results[modes[0]]['engine_threads']}")
+    print(f"{'run':<15}{'tok/s':>8}{'off tok/s':>10}{'ratio':>7}{'TTFT p50':>10}{'off TTFT':>10}"
+          f"{'ms/tok':>8}{'off ms/tok':>11}{'events/req':>11}  cpu_s")
+    for mode in modes:
+        for name in convs:
+            for r in results[mode][name]:
+                s_, o = r["served"], r["offline"]
+                print(f"{mode + ' ' + name:<15}{s_['tok_per_s']:>8}{o['tok_per_s']:>10}{s_['ratio_vs_offline']:>7}"
+                      f"{s_['ttft_p50_ms']:>10}{o['ttft_p50_ms']:>10}{s_['ms_per_token']:>8}"
+                      f"{o['ms_per_token']:>11}{s_['events_per_request']:>11}  {s_['cpu_s']}")
+            ratios = [r["served"]["ratio_vs_offline"] for r in results[mode][name]]
+            results[mode][f"{name}_ratio_median"] = statistics.median(ratios)
+            print(f"{mode + ' ' + name:<15} median ratio {statistics.median(ratios):.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

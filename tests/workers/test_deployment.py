@@ -1,0 +1,65 @@
+"""The worker replica body (`WorkerServer`, in-process, no Ray): the engine-thread rule and coalesced streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from chunkserve.router.app import AppConfig
+from chunkserve.workers.cpu_budget import engine_threads
+from chunkserve.workers.deployment import WorkerServer
+from chunkserve.workers.engine import EngineConfig
+from chunkserve.workers.protocol import GenerateRequest
+from chunkserve.workers.sampling import SamplingParams
+
+TINY = {"model": "random:tiny", "chunk_size": 16, "num_kv_chunks": 32, "max_model_len": 256}
+
+
+@pytest.mark.parametrize("cpus,workers,reserved,expected", [
+    (2, 1, 1, 1), (2, 2, 1, 1), (16, 2, 1, 7), (16, 1, 1, 15), (8, 3, 2, 2), (1, 1, 1, 1), (4, 1, 0, 4),
+])
+def test_engine_threads_leave_the_reserved_cores_and_split_the_rest_evenly(cpus, workers, reserved, expected):
+    assert engine_threads(cpus, workers, reserved) == expected
+
+
+def test_app_config_gives_the_thread_rule_unless_the_engine_fixes_threads_or_uses_gpus():
+    assert AppConfig(workers=3).thread_rule() == {"workers_per_node": 3, "reserved_cpus": 1}
+    assert AppConfig(autoscaling={"min_replicas": 1, "max_replicas": 4}).thread_rule()["workers_per_node"] == 4
+    assert AppConfig(workers=4, workers_per_node=1, node_cpus=8).thread_rule() == {
+        "workers_per_node": 1, "reserved_cpus": 1, "node_cpus": 8}
+    assert AppConfig(engine={"num_threads": 2}).thread_rule() is None
+    assert AppConfig(worker_num_gpus=1).thread_rule() is None
+
+
+def test_worker_server_sets_engine_threads_by_the_rule_and_keeps_a_fixed_count():
+    ruled = WorkerServer(TINY, "w-rule", enable_ray_metrics=False,
+                         thread_rule={"workers_per_node": 2, "reserved_cpus": 1, "node_cpus": 4})
+    fixed = None
+    try:
+        assert ruled.engine.core.config.num_threads == 1 and ruled.stats()["num_threads"] == 1
+        fixed = WorkerServer({**TINY, "num_threads": 2}, "w-fixed", enable_ray_metrics=False,
+                             thread_rule={"workers_per_node": 1, "reserved_cpus": 1, "node_cpus": 16})
+        assert fixed.engine.core.config.num_threads == 2
+    finally:
+        ruled.shutdown()
+        if fixed is not None:
+            fixed.shutdown()
+
+
+def test_worker_server_streams_coalesced_items_with_the_same_tokens_as_one_per_token():
+    async def run(server: WorkerServer, rid: str) -> list:
+        req = GenerateRequest(rid, (3, 4, 5, 6), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        out = [d async for d in server.generate(req)]
+        server.shutdown()
+        return out
+
+    plain = asyncio.run(run(WorkerServer(EngineConfig(**TINY), "w-plain", enable_ray_metrics=False,
+                                         stream_batching={"interval_s": 0}), "p"))
+    merged = asyncio.run(run(WorkerServer(EngineConfig(**TINY), "w-merged", enable_ray_metrics=False,
+                                          stream_batching={"interval_s": 0.3, "max_tokens": 64}), "m"))
+    assert len(plain) == 30 and len(merged[0].token_ids) == 1
+    assert len(merged) < len(plain)  # 30 tiny-model steps take far less than 0.3 s per item
+    assert [t for d in merged for t in d.token_ids] == [t for d in plain for t in d.token_ids]
+    assert merged[-1].finish_reason == plain[-1].finish_reason == "length"
+    assert merged[-1].num_output_tokens == 30
