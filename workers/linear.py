@@ -3,10 +3,10 @@
 Every builder returns a `LinearFn` ``x [T, K] -> y [T, N]`` with its weight (and bias) bound, so the
 layer loop makes one Python call per matmul whatever the back-end:
 
-* `plain_linear`: ``F.linear``'s ``mm`` (MKL's GEMV for one fp32 row, which beats oneDNN's blocked kernel and
-  its ~25 us per-call cost there).
-* `packed_linear`: the weight reordered once into oneDNN's blocked layout (CPU fp32/bf16, two rows
-  and up; ``F.linear`` would re-pack it on every call).
+* `plain_linear`: ``F.linear``'s ``mm`` (MKL's GEMV for one fp32 row on one thread, which beats
+  oneDNN's blocked kernel and its ~25 us per-call cost there).
+* `packed_linear`: the weight reordered once into oneDNN's blocked layout (CPU fp32/bf16; everything
+  else, ``F.linear`` would re-pack a bf16 weight on every call).
 * `int8_linear`: per-output-channel symmetric int8 weights (`Int8Weight`), dequantised inside
   ATen's ``_weight_int8pack_mm`` on the CPU. That kernel is vectorised for bf16 activations only (its
   fp32 path is scalar, ~4x slower on AVX2), so fp32 activations go through it in bf16 and come back
