@@ -33,6 +33,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_GROUP, MAX_CHUNK, MAX_HEAD_DIM = 32, 256, 256  # the kernel's stack tiles (see the source)
 MIN_SPLIT_TOKENS = 256  # a split of a row's keys is at least this many tokens
+SERIAL_ELEMENTS = 1 << 19  # K elements (upper bound) below which one thread does the call (~2 MB fp32)
 
 
 def _cache_dir() -> Path:
@@ -132,6 +133,8 @@ class CpuDecodeKernel:
         qs = ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device)
         torch.mul(q4, scale, out=qs)  # [b, Hkv, g, D], pre-scaled
         threads = torch.get_num_threads()
+        if b * hkv * p * c * d < SERIAL_ELEMENTS:  # too little work to pay for waking (or waiting on) threads
+            threads = 1
         # split long rows when rows x heads alone cannot keep every thread busy (flash-decoding)
         nsplit, cps = 1, max(p, 1)
         if b * hkv < 4 * threads and p > 1:
