@@ -11,7 +11,14 @@ import torch
 
 from chunkserve.kernels.context import ChunkContext
 from chunkserve.kernels.cpu_kernel import inplace_kernel
-from chunkserve.kernels.torch_ops import Workspace, combine_partials, dense_chunk_pass, group_size, num_groups
+from chunkserve.kernels.torch_ops import (
+    Workspace,
+    combine_partials,
+    dense_chunk_pass,
+    finish,
+    group_size,
+    num_groups,
+)
 
 
 def paged_decode_torch(
@@ -38,7 +45,7 @@ def paged_decode_torch(
     if kern is not None:
         res = ws.take("res", (b, hkv, g, d), torch.float32, dev)
         kern(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, ctx.block_table, ctx.block_tokens, scale, res, None, ws)
-        return res.view(b, hq, d).to(q_sorted.dtype, copy=True) if out is None else out.copy_(res.view(b, hq, d))
+        return finish(res.view(b, hq, d), q_sorted, out)
     counts = [int(x) for x in (ctx.block_tokens > 0).sum(dim=1).tolist()]
     group = group_size(counts, b, hkv, c, d, k_pool_l.element_size())
     slots = max(1, num_groups(counts, group))
@@ -48,7 +55,4 @@ def paged_decode_torch(
                      part_o, part_lse, scale, ws)
     res = combine_partials(part_o.view(slots, b, hq, d), part_lse.view(slots, b, hq),
                            ws.take("res", (b, hq, d), torch.float32, dev))
-    if out is None:
-        return res.to(q_sorted.dtype, copy=True)
-    out.copy_(res)
-    return out
+    return finish(res, q_sorted, out)

@@ -50,9 +50,9 @@ def check_prefill_inputs(
 def _segments(ids: list[int], toks: list[int], c: int, length: int) -> list[tuple[int, int, int, list[int]]]:
     """Split a row's first ``length`` keys into pieces that are views of the pool where possible.
 
-    Returns (key offset, number of keys, first chunk id or -1, chunk ids) per piece: a piece of
-    consecutive chunk ids whose chunks (but the last) are full is read in place; other chunks are
-    single pieces of their own (first chunk id = their id), so nothing is ever gathered.
+    Returns (key offset, number of keys, first chunk id, chunk ids) per piece: consecutive chunk
+    ids whose chunks (but the last) are full form one piece; any other chunk starts a new piece, so
+    every piece is a view of the pool and nothing is ever gathered.
     """
     out: list[tuple[int, int, int, list[int]]] = []
     pos = 0

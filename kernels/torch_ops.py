@@ -254,3 +254,10 @@ def combine_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
     w = w / w.sum(dim=0).clamp_min(torch.finfo(torch.float32).tiny)
     out.copy_((part_o * w.unsqueeze(-1)).sum(dim=0))
     return out
+
+
+def finish(res: torch.Tensor, like: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """res: [b, Hq, D] fp32 -> ``out`` (or a new tensor) in ``like``'s dtype."""
+    if out is None:
+        return res.to(like.dtype, copy=True)
+    return out.copy_(res)

@@ -21,6 +21,7 @@ from chunkserve.kernels.torch_ops import (
     Workspace,
     combine_partials,
     dense_chunk_pass,
+    finish,
     group_size,
     num_groups,
     partial_attention,
@@ -101,8 +102,8 @@ def tpp_decode_torch(
     table, tokens, counts = hit[1]  # type: ignore[index]
     kern = inplace_kernel(qf.view(b, hkv, g, d), k_pool_l, inplace)
     if kern is not None:
-        group = max(counts, default=0)  # one slot: the kernel covers every private chunk of a row
-        slots = ctx.num_runs + (1 if group else 0)
+        group = 0  # unused: the kernel covers every private chunk of a row in one slot
+        slots = ctx.num_runs + (1 if max(counts, default=0) else 0)
     else:
         group = group_size(counts, b, hkv, c, d, k_pool_l.element_size())
         slots = ctx.num_runs + num_groups(counts, group)
@@ -111,7 +112,7 @@ def tpp_decode_torch(
     if kern is not None and ctx.num_runs == 0:  # nothing shared: one in-place pass is the answer
         res = ws.take("res", (b, hkv, g, d), torch.float32, dev)
         kern(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, table, tokens, scale, res, None, ws)
-        return _finish(res.view(b, hq, d), q_sorted, out)
+        return finish(res.view(b, hq, d), q_sorted, out)
     part_o = ws.take("part_o", (max(slots, 1), b, hkv, g, d), torch.float32, dev)
     part_lse = ws.take("part_lse", (max(slots, 1), b, hkv, g), torch.float32, dev)
     if not only_run:
@@ -128,7 +129,7 @@ def tpp_decode_torch(
         part_o[r, i:j].copy_(o.view(hkv, n, g, d).transpose(0, 1))
         part_lse[r, i:j].copy_(lse.view(hkv, n, g).transpose(0, 1))
     if only_run:
-        return _finish(part_o[0].view(b, hq, d), q_sorted, out)
+        return finish(part_o[0].view(b, hq, d), q_sorted, out)
     # phase 2: every row's private chunks (in place, or position group by position group), then one
     # merge per row
     if kern is not None:
@@ -142,11 +143,5 @@ def tpp_decode_torch(
                          part_o[ctx.num_runs :], part_lse[ctx.num_runs :], scale, ws)
     res = combine_partials(part_o.view(-1, b, hq, d), part_lse.view(-1, b, hq),
                            ws.take("res", (b, hq, d), torch.float32, dev))
-    return _finish(res, q_sorted, out)
+    return finish(res, q_sorted, out)
 
-
-def _finish(res: torch.Tensor, q_sorted: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """res: [b, Hq, D] fp32 -> ``out`` (or a new tensor) in q's dtype."""
-    if out is None:
-        return res.to(q_sorted.dtype, copy=True)
-    return out.copy_(res)
