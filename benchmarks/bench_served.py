@@ -15,6 +15,10 @@ and offline outputs the same tokens, so the ratios compare equal work.
 
     .venv/bin/python benchmarks/bench_served.py                       # both modes, embedded SmolLM2
     .venv/bin/python benchmarks/bench_served.py --mode local --json served.json
+
+This file manages the processes (offline engine, local or Ray server) and prints the table; the workloads
+and the client are in `served_client.py`, which stays torch-free: the CPU model is read in the offline
+engine's process, which has torch anyway (`chunkserve.kernels.bench.cpu_model` imports it).
 """
 
 from __future__ import annotations
@@ -23,56 +27,16 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-TENANTS = ("acme", "globex", "initech", "umbrella")
-USERS = ("Where is my order?", "How do I reset my password?", "Can I change my delivery address?",
-         "What is your refund policy?", "Do you ship abroad?", "How long does shipping take?",
-         "Can I pay by invoice?", "How do I close my account?")
-STORY = "Write a long and detailed story about a lighthouse keeper who finds a message in a bottle."
-MAX_TOKENS = 64
-
-
-def system_prompt(tokenizer: Any, tenant: str, target_tokens: int = 1000) -> str:
-    """A tenant's system prompt of about ``target_tokens`` tokens."""
-    parts = [f"You are the support assistant of {tenant.title()} Corporation."]
-    i = 1
-    while len(tokenizer.encode(" ".join(parts))) < target_tokens:
-        parts.append(f"Policy {i} of {tenant}: answer politely, cite policy number {i}, never promise a refund "
-                     f"before checking order {1000 + 7 * i}, and keep the answer under {40 + i % 9} words.")
-        i += 1
-    return " ".join(parts)
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt ids exactly as the ingress builds them (template text, then encode without specials)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def workloads(tokenizer: Any) -> dict[str, list[list[dict[str, str]]]]:
-    systems = {t: system_prompt(tokenizer, t) for t in TENANTS}
-    chats = [[{"role": "system", "content": systems[t]}, {"role": "user", "content": u}]
-             for t in TENANTS for u in USERS]
-    return {"single": [[{"role": "user", "content": STORY}]], "chat32": chats}
-
-
-def summarize(starts: list[float], firsts: list[float], ends: list[float], tokens: list[int],
-              events: list[int]) -> dict[str, Any]:
-    wall = max(ends) - min(starts)
-    ttfts = [f - s for f, s in zip(firsts, starts, strict=True)]
-    return {"requests": len(tokens), "completion_tokens": sum(tokens), "wall_s": round(wall, 3),
-            "tok_per_s": round(sum(tokens) / wall, 2), "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
-            "events_per_request": round(sum(events) / len(events), 1),
-            "ms_per_token": round(1000 * (ends[0] - firsts[0]) / max(1, tokens[0] - 1), 2)}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from served_client import MAX_TOKENS, chat_ids, load_tokenizer, run_served_once, summarize, workloads  # noqa: E402
 
 
 # -- offline ------------------------------------------------------------------------------------------
@@ -110,9 +74,11 @@ class Offline:
 
 def serve_offline(model: str | None, threads: int | None, kv_cache_gb: float) -> None:
     """Child-process body of the offline side: one workload name per stdin line, one JSON result per line."""
+    from chunkserve.kernels.bench import cpu_model
+
     off = Offline(model, threads, kv_cache_gb)
     convs = workloads(off.llm.tokenizer)
-    print(json.dumps({"torch_threads": off.torch_threads}), flush=True)
+    print(json.dumps({"torch_threads": off.torch_threads, "cpu": cpu_model()}), flush=True)
     for line in sys.stdin:
         print(json.dumps(off.run(convs[line.strip()])), flush=True)
 
@@ -129,7 +95,8 @@ class OfflineProcess:
             cmd += ["--threads", str(args.threads)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      start_new_session=True)
-        self.torch_threads = self._read()["torch_threads"]
+        hello = self._read()
+        self.torch_threads, self.cpu = hello["torch_threads"], hello["cpu"]
 
     def _read(self) -> dict[str, Any]:
         while self.proc.stdout is not None:
@@ -151,82 +118,6 @@ class OfflineProcess:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         self.proc.wait(60)
-
-
-# -- the client ---------------------------------------------------------------------------------------
-async def stream_chat(session: Any, model: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first, events, usage = None, 0, None
-    async with session.post("/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                break
-            ev = json.loads(data)
-            if ev.get("usage"):
-                usage = ev["usage"]
-            choices = ev.get("choices")
-            if choices and choices[0]["delta"].get("content"):
-                events += 1
-                if first is None:
-                    first = time.perf_counter()
-    end = time.perf_counter()
-    if usage is None:
-        raise RuntimeError("the stream carried no usage chunk")
-    return {"start": t0, "first": first or end, "end": end, "tokens": usage["completion_tokens"], "events": events}
-
-
-async def run_served_once(url: str, model: str, convs: list[list[dict[str, str]]], pid: int) -> dict[str, Any]:
-    """One workload through the server: all conversations at once; CPU seconds per process role."""
-    import aiohttp
-
-    async with aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=900)) as s:
-        await stream_chat(s, model, [{"role": "user", "content": "warm up"}])
-        cpu0, self0 = cpu_by_process(pid), time.process_time()
-        rs = await asyncio.gather(*(stream_chat(s, model, c) for c in convs))
-        cpu1, self1 = cpu_by_process(pid), time.process_time()
-    res = summarize([r["start"] for r in rs], [r["first"] for r in rs], [r["end"] for r in rs],
-                    [r["tokens"] for r in rs], [r["events"] for r in rs])
-    cpu = {k: round(cpu1.get(k, 0.0) - cpu0.get(k, 0.0), 2) for k in cpu1}
-    res["cpu_s"] = {**{k: v for k, v in sorted(cpu.items()) if v > 0.05}, "client": round(self1 - self0, 2)}
-    return res
-
-
-# -- process accounting ---------------------------------------------------------------------------------
-def _group(cmd: list[str], name: str) -> str:
-    first = cmd[0] if cmd else name
-    for key, label in (("Worker", "worker"), ("Ingress", "ingress"), ("ProxyActor", "proxy"),
-                       ("ServeController", "serve_controller"), ("raylet", "raylet"), ("gcs_server", "gcs"),
-                       ("redis-server", "redis"), ("bench_served", "local_server"), ("chunkserve", "launcher")):
-        if key in first or key in " ".join(cmd[:3]):
-            return label
-    return "ray_other"
-
-
-def cpu_by_process(root_pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of a process tree, summed by role."""
-    import psutil
-
-    out: dict[str, float] = defaultdict(float)
-    try:
-        root = psutil.Process(root_pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return {}
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            out[_group(p.cmdline(), p.name())] += t.user + t.system
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return dict(out)
 
 
 # -- served modes -----------------------------------------------------------------------------------------
@@ -336,16 +227,6 @@ def run_mode(mode: str, args: argparse.Namespace, convs: dict[str, list], offlin
     return {"engine_threads": threads, **rounds}
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=["local", "ray", "both"], default="both")
@@ -364,14 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_offline:
         serve_offline(args.model, args.threads, args.kv_cache_gb)
         return 0
-    from transformers import PreTrainedTokenizerFast
-
-    from chunkserve.workers.weights import embedded_checkpoint_dir
-
-    tok = PreTrainedTokenizerFast.from_pretrained(str(embedded_checkpoint_dir()), local_files_only=True)
+    tok = load_tokenizer()
     convs = workloads(tok)
     offline = OfflineProcess(args)
-    results: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(), "model": args.model or "embedded",
+    results: dict[str, Any] = {"cpu": offline.cpu, "cores": os.cpu_count(), "model": args.model or "embedded",
                                "system_prompt_tokens": len(chat_ids(tok, convs["chat32"][0][:1])),
                                "offline_torch_threads": offline.torch_threads, "load_avg_start": os.getloadavg()}
     modes = ["local", "ray"] if args.mode == "both" else [args.mode]

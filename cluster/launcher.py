@@ -76,14 +76,14 @@ def app_config(args: argparse.Namespace, redis_url: str) -> Any:
 
 def describe_threads(cfg: Any) -> str:
     """What each worker's engine threads will be on this machine, for the start-up message."""
-    from chunkserve.workers.cpu_budget import available_cpus, engine_threads
+    from chunkserve.workers.cpu_budget import available_cpus, rule_threads
 
     rule = cfg.thread_rule()
     if rule is None:
         fixed = cfg.engine.get("num_threads")
         return f"engine threads per worker: {fixed}" if fixed else "engine threads: the device's default"
     cpus = rule.get("node_cpus") or available_cpus()
-    n = engine_threads(cpus, rule["workers_per_node"], rule["reserved_cpus"])
+    n = rule_threads(rule)
     return (f"engine threads per worker: {n} ({cpus} cores - {rule['reserved_cpus']} reserved, "
             f"{rule['workers_per_node']} workers per node)")
 

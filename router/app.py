@@ -24,7 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chunkserve.router.ingress import HandleEngineClient, Ingress, IngressConfig
+from chunkserve.router.engine_client import HandleEngineClient
+from chunkserve.router.ingress import Ingress, IngressConfig
 from chunkserve.router.tenants import load_tenants
 
 GRPC_SERVICER = "chunkserve.v1.generate_pb2_grpc.add_ChunkServeServicer_to_server"

@@ -36,13 +36,7 @@ from typing import Any
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.stats import ClusterStatsReader, snapshot_of
-from chunkserve.router.engine_client import (
-    EngineClient,
-    HandleEngineClient,
-    LocalEngineClient,
-    engine_error_to_api,
-    next_delta,
-)
+from chunkserve.router.engine_client import EngineClient, HandleEngineClient, next_delta
 from chunkserve.router.grpc_service import GrpcServiceMixin
 from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
 from chunkserve.router.ratelimit import Admission, AdmissionLease, RateLimited, RateLimiter
@@ -318,6 +312,3 @@ class Ingress(GrpcServiceMixin):
     def new_request_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-
-__all__ = ["EngineClient", "HandleEngineClient", "Ingress", "IngressConfig", "LocalEngineClient", "Prepared",
-           "engine_error_to_api"]

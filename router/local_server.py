@@ -22,8 +22,9 @@ from typing import Any, TypeVar
 import grpc
 import uvicorn
 
+from chunkserve.router.engine_client import LocalEngineClient
 from chunkserve.router.grpc_service import add_to_grpc_server
-from chunkserve.router.ingress import Ingress, IngressConfig, LocalEngineClient
+from chunkserve.router.ingress import Ingress, IngressConfig
 from chunkserve.router.tenants import TenantRegistry, load_tenants
 
 logger = logging.getLogger(__name__)

@@ -222,4 +222,4 @@ def _put_all(puts: list[tuple[str, asyncio.Queue, Any]]) -> None:
         q.put_nowait(item)
 
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineError", "EngineStepError", "StreamBatching"]
+__all__ = ["AsyncEngine", "EngineError"]  # EngineError: its old home, re-exported for callers

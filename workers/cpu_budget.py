@@ -9,6 +9,7 @@ slowest thread, so one thread preempted by the ingress stalls the whole step.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 
 def available_cpus() -> int:
@@ -23,3 +24,10 @@ def engine_threads(node_cpus: int, workers_per_node: int = 1, reserved_cpus: int
     """``max(1, (node_cpus - reserved_cpus) // workers_per_node)``: 1 on a 2-core node with one worker,
     7 each for 2 workers on 16 cores."""
     return max(1, (int(node_cpus) - max(0, int(reserved_cpus))) // max(1, int(workers_per_node)))
+
+
+def rule_threads(rule: Mapping[str, int]) -> int:
+    """`engine_threads` for a thread rule (``{"workers_per_node", "reserved_cpus"}``, optionally
+    ``"node_cpus"``: the cores to count instead of this process's)."""
+    cpus = rule.get("node_cpus") or available_cpus()
+    return engine_threads(cpus, rule["workers_per_node"], rule["reserved_cpus"])

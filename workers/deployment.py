@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from chunkserve.workers.async_engine import AsyncEngine
-from chunkserve.workers.cpu_budget import available_cpus, engine_threads
+from chunkserve.workers.cpu_budget import rule_threads
 from chunkserve.workers.engine import EngineConfig
 from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
 from chunkserve.workers.streaming import StreamBatching
@@ -40,7 +40,7 @@ class WorkerServer:
     """An engine plus its cache-event publisher; the body of a worker replica.
 
     ``thread_rule`` (``{"workers_per_node": n, "reserved_cpus": r}``, optionally ``"node_cpus"``: the cores
-    to count instead of this node's) sets the engine's ``num_threads`` by `cpu_budget.engine_threads`
+    to count instead of this node's) sets the engine's ``num_threads`` by `cpu_budget.rule_threads`
     when the engine config leaves it unset."""
 
     def __init__(self, engine_config: dict[str, Any] | EngineConfig, worker_id: str,
@@ -50,9 +50,7 @@ class WorkerServer:
                  thread_rule: dict[str, int] | None = None) -> None:
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         if thread_rule is not None and cfg.num_threads is None and cfg.device == "cpu":
-            rule = dict(thread_rule)
-            cpus = rule.pop("node_cpus", None) or available_cpus()
-            cfg = dataclasses.replace(cfg, num_threads=engine_threads(cpus, **rule))
+            cfg = dataclasses.replace(cfg, num_threads=rule_threads(thread_rule))
         self.worker_id = worker_id
         self.batching = StreamBatching.from_options(stream_batching)
         self.engine = AsyncEngine(cfg)

@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from chunkserve.client import ChunkServeError, GrpcClient
-from chunkserve.router.ingress import HandleEngineClient, Ingress, IngressConfig
+from chunkserve.router.engine_client import HandleEngineClient
+from chunkserve.router.ingress import Ingress, IngressConfig
 from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants
 from chunkserve.workers.engine import EngineConfig
 
