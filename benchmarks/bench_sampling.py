@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from chunkserve.kernels.bench import cpu_model
 from chunkserve.workers.sampler import Sampler
 from chunkserve.workers.sampling import SamplingParams
 
@@ -91,17 +92,6 @@ class BaselineRowLoopSampler:
             for j, i in enumerate(want):
                 lps[i] = float(lp[j, out[i]])
         return out, lps
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def make_logits(kind: str, n: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:

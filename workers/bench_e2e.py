@@ -217,7 +217,7 @@ def interleaved_decode(loaded: LoadedModel, b: int, n_p: int, n_s: int, chunk: i
             core.step()
         stepper[name] = core.step
     if hf:
-        stepper["hf_static"] = HFStaticStepper(prompts, n_c, loaded.model.lm_head.dtype).step
+        stepper["hf_static"] = HFStaticStepper(prompts, n_c, loaded.model.dtype).step
     times: dict[str, list[float]] = {k: [] for k in stepper}
     for _ in range(steps):
         for name, step in stepper.items():

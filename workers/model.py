@@ -76,8 +76,12 @@ class CausalLM:
         inv_freq, scale = rope_inv_freq(config)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2] fp32
-        self._cos = (freqs.cos() * scale).to(device=self.device, dtype=self.dtype)  # [P, D/2]
-        self._sin = (freqs.sin() * scale).to(device=self.device, dtype=self.dtype)  # [P, D/2]
+        cos = (freqs.cos() * scale).to(device=self.device, dtype=self.dtype)  # [P, D/2]
+        sin = (freqs.sin() * scale).to(device=self.device, dtype=self.dtype)  # [P, D/2]
+        # full-width tables, so a step's RoPE factors are two index_selects: rope(x) = x * cos +
+        # swap_halves(x) * sin, i.e. transformers' rotate-half with -sin folded in
+        self._cos = torch.cat((cos, cos), -1).unsqueeze(1)  # [P, 1, D]
+        self._sin = torch.cat((-sin, sin), -1).unsqueeze(1)  # [P, 1, D]
         # 0-dim fp32 constants of the RMSNorm: hidden size and epsilon
         self._width = torch.tensor(float(config.hidden_size), device=self.device)
         self._eps = torch.tensor(config.rms_norm_eps, dtype=torch.float32, device=self.device)
@@ -171,10 +175,11 @@ class CausalLM:
         if lm_head:
             self.lm_head = q(self.lm_head)
         self.quantization = mode
-        if self._packed is not None:
-            self._packed = None
-            self.prepack(self._batch_hint)  # keeps a packed copy of what is still dense (an fp32 lm_head)
-        self._bind()
+        repack = self._packed is not None
+        self._packed = self._packed_head = None  # the packed dense copies go with the dense weights
+        # re-packing keeps a packed copy of what is still dense (the lm_head) and rebinds
+        if not (repack and self.prepack(self._batch_hint)):
+            self._bind()
 
     def kv_bytes_per_token(self) -> int:
         """K and V bytes one token occupies across all layers, in the model dtype."""
@@ -300,9 +305,7 @@ class CausalLM:
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-step RoPE factors for `positions` [T]: (cos [T, 1, D], signed sin [T, 1, D]) such that
         rope(x) = x * cos + swap_halves(x) * sin, i.e. transformers' rotate-half with -sin folded in."""
-        cos = self._cos.index_select(0, positions)  # [T, D/2]
-        sin = self._sin.index_select(0, positions)  # [T, D/2]
-        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
