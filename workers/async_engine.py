@@ -14,6 +14,7 @@ generator (client gone) aborts it, which frees its KV chunks on the next step. F
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -34,6 +35,7 @@ from chunkserve.workers.protocol import (
 )
 from chunkserve.workers.sampling import SamplingParams
 from chunkserve.workers.streaming import StreamBatching, coalesce
+from chunkserve.workers.tree_summary import ForestUsage, summarize_forest
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ class AsyncEngine:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._stats_time = 0.0
         self._dead: str | None = None  # why the engine no longer takes requests
+        self.forest_usage = ForestUsage()  # per-chunk hits / tenants for the dashboard (engine thread)
+        self._tenants: dict[str, str] = {}  # request id -> tenant, until its first token (engine thread)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chunkserve-engine", daemon=True)
@@ -107,6 +111,13 @@ class AsyncEngine:
         """A snapshot taken by the engine thread after its last step (never blocks)."""
         return dict(self._stats)
 
+    async def forest_summary(self, top_n: int = 32, max_runs: int = 400) -> dict[str, Any]:
+        """A bounded summary of the prefix forest (`tree_summary.summarize_forest`), taken on the engine
+        thread between steps."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._post("call", (lambda: summarize_forest(self.core.cache, self.forest_usage, top_n, max_runs), fut))
+        return await asyncio.wrap_future(fut)
+
     def drain_cache_events(self) -> list:
         """Chunk-hash events since the last call (for the cluster index)."""
         out: list = []
@@ -156,12 +167,20 @@ class AsyncEngine:
                     if not isinstance(req.sampling, SamplingParams):
                         raise InvalidSamplingError(f"sampling must be SamplingParams, got {type(req.sampling)}")
                     core.add_request(req.request_id, list(req.prompt_token_ids), req.sampling, req.cache_salt)
+                    self._tenants[req.request_id] = req.tenant
                 except EngineError as e:
                     failed.append((req.request_id, e))
                 except (ValueError, TypeError) as e:  # anything else the core refuses is the request's fault
                     failed.append((req.request_id, InvalidRequestError(str(e))))
             elif kind == "abort":
                 core.abort(payload)
+                self._tenants.pop(payload, None)
+            elif kind == "call":  # (fn, concurrent future): run fn on the engine thread
+                fn, fut = payload
+                try:
+                    fut.set_result(fn())
+                except Exception as e:
+                    fut.set_exception(e)
         if failed:
             self._deliver(failed)
 
@@ -206,6 +225,9 @@ class AsyncEngine:
             for out in outs:
                 req = out.req
                 n_out = len(req.output)
+                if n_out == 1 and req.request_id in self._tenants:
+                    self.forest_usage.record(core.cache, req.prompt, req.salt, max(req.num_cached, 0),
+                                             self._tenants.pop(req.request_id))
                 deltas.append((req.request_id, GenerateDelta(
                     request_id=req.request_id, token_ids=out.token_ids, text=out.text,
                     num_prompt_tokens=len(req.prompt), num_cached_tokens=max(req.num_cached, 0),
