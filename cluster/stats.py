@@ -9,6 +9,11 @@ Key schema (same namespace and hash-tag rules as ``cluster/index.py``; see docs/
 
 * ``{ns:w:<worker>}:stats``  string, JSON object of numbers (``STATS_FIELDS`` + ``worker_id``, ``ts_ms``),
   ``PX`` TTL ``ttl_s`` (default 5 s). Shares the worker's hash tag, so it lives in the lease's slot.
+  It also carries ``routing``: the worker's routing-prediction tallies per decision reason
+  (`workers/worker_metrics.RoutingAccuracy.snapshot`).
+* ``{ns:w:<worker>}:forest``  string, JSON of the worker's bounded prefix-forest summary
+  (`workers/tree_summary.summarize_forest`: run sizes, scopes, refcounts, tenants; never tokens or text),
+  written every few seconds with the same TTL, read by the ingress's dashboard.
 * Workers are discovered through the index registry ``{ns}:workers`` (zset, kept by the lease heartbeat).
 """
 
@@ -48,13 +53,22 @@ def stats_key(namespace: str, worker_id: str) -> str:
     return f"{{{namespace}:w:{check_worker_id(worker_id)}}}:stats"
 
 
+def forest_key(namespace: str, worker_id: str) -> str:
+    """``{ns:w:<worker>}:forest`` (the worker's hash tag)."""
+    IndexKeys(namespace)
+    return f"{{{namespace}:w:{check_worker_id(worker_id)}}}:forest"
+
+
 def snapshot_of(stats: Mapping[str, Any], worker_id: str) -> dict[str, Any]:
-    """The snapshot written for ``stats`` (an engine ``stats()`` dict): numeric ``STATS_FIELDS`` only."""
+    """The snapshot written for ``stats`` (an engine ``stats()`` dict): numeric ``STATS_FIELDS`` only,
+    plus the ``routing`` tallies when present."""
     snap: dict[str, Any] = {"worker_id": worker_id, "ts_ms": now_ms()}
     for f in STATS_FIELDS:
         v = stats.get(f)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             snap[f] = v
+    if isinstance(stats.get("routing"), Mapping):
+        snap["routing"] = dict(stats["routing"])
     return snap
 
 
@@ -68,6 +82,7 @@ class WorkerStatsWriter:
         self.client = redis_client(client, socket_timeout_s)
         self.worker_id = check_worker_id(worker_id)
         self.key = stats_key(namespace, worker_id)
+        self.forest_key = forest_key(namespace, worker_id)
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self._ok = True
 
@@ -85,10 +100,19 @@ class WorkerStatsWriter:
         self._ok = True
         return True
 
+    def write_forest(self, summary: Mapping[str, Any]) -> bool:
+        """Write the forest summary (same TTL). -> False when Redis is unreachable."""
+        try:
+            self.client.set(self.forest_key, json.dumps({**summary, "ts_ms": now_ms()}), px=self.ttl_ms)
+        except redis.RedisError as e:
+            logger.debug("worker %s: cannot write the forest summary: %s", self.worker_id, e)
+            return False
+        return True
+
     def delete(self) -> None:
         """Drop the snapshot at once (graceful shutdown)."""
         try:
-            self.client.delete(self.key)
+            self.client.delete(self.key, self.forest_key)
         except redis.RedisError as e:
             logger.debug("worker %s: stats delete failed: %s", self.worker_id, e)
 
@@ -177,6 +201,34 @@ class ClusterStatsReader:
         except TimeoutError:  # slow Redis: answer now, the fetch finishes for the next caller
             if self._last is not None and time.monotonic() - self._good_at < self.stale_s:
                 return self._last
+            return None
+
+    async def forests(self) -> dict[str, dict[str, Any]] | None:
+        """The live workers' forest summaries (worker id -> summary; one pipelined round trip after the
+        registry), or None when Redis did not answer within ``timeout_s``."""
+        async def fetch() -> dict[str, dict[str, Any]]:
+            client = self._redis()
+            ids = [w.decode() if isinstance(w, bytes) else str(w)
+                   for w in await client.zrange(self.keys.registry, 0, -1)]
+            if not ids:
+                return {}
+            pipe = client.pipeline(transaction=False)
+            for w in ids:
+                pipe.get(forest_key(self.namespace, w))
+            out: dict[str, dict[str, Any]] = {}
+            for w, raw in zip(ids, await pipe.execute(), strict=True):
+                try:
+                    val = json.loads(raw) if raw is not None else None
+                except ValueError:
+                    val = None
+                if isinstance(val, dict):
+                    out[w] = val
+            return out
+
+        try:
+            return await asyncio.wait_for(fetch(), self.timeout_s)
+        except (TimeoutError, redis.RedisError, OSError) as e:
+            logger.debug("forest summaries unavailable: %s", e)
             return None
 
     async def aclose(self) -> None:

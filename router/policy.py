@@ -64,12 +64,14 @@ class ReplicaLoad:
 
 @dataclass(frozen=True)
 class Decision:
-    """The chosen replica, why, how many chunks it holds, and the full preference order."""
+    """The chosen replica, why, how many chunks it holds, the full preference order, and how many leading
+    chunks each candidate is expected to hold (index and hints; absent: none), the routing prediction."""
 
     replica_id: str
     reason: str
     matched_chunks: int
     ranking: tuple[str, ...] = field(default=())
+    expected: Mapping[str, int] = field(default_factory=dict)
 
 
 def rendezvous_weight(key: int, replica_id: str) -> int:
@@ -177,4 +179,5 @@ class PrefixPolicy:
         rest = sorted((r for r in order if r.replica_id != chosen.replica_id),
                       key=lambda r: (r.ongoing, -eff.get(r.replica_id, 0)))
         return Decision(chosen.replica_id, reason, eff.get(chosen.replica_id, 0),
-                        (chosen.replica_id, *(r.replica_id for r in rest)))
+                        (chosen.replica_id, *(r.replica_id for r in rest)),
+                        {r.replica_id: eff[r.replica_id] for r in order if eff.get(r.replica_id, 0) > 0})

@@ -28,6 +28,7 @@ from chunkserve.cluster.index import DEFAULT_NAMESPACE, AsyncPrefixIndex
 from chunkserve.cluster.reader import CachedIndexReader, ReaderConfig
 from chunkserve.router.metrics import RouterMetrics
 from chunkserve.router.policy import PolicyConfig, PrefixPolicy, ReplicaLoad
+from chunkserve.workers.worker_metrics import ROUTING_KWARG
 
 logger = logging.getLogger(__name__)
 
@@ -56,19 +57,22 @@ class PrefixAwareRouter(RequestRouter):
     ``request_router_kwargs`` (all optional): ``redis_url`` (else env ``CHUNKSERVE_REDIS_URL``; none: no
     index), ``namespace``, ``max_chunks`` (K, chunks looked up per request), ``policy`` (dict of
     :class:`PolicyConfig` fields), ``reader`` (dict of :class:`ReaderConfig` fields), ``enable_metrics``,
-    ``cluster_mode`` (True for Redis Cluster: one script call per worker instead of one for all).
+    ``cluster_mode`` (True for Redis Cluster: one script call per worker instead of one for all),
+    ``predictions`` (True: add the routing prediction to each request as the keyword argument ``routing``,
+    for a deployment that accepts it, as the chunkserve worker does).
     """
 
     def initialize_state(self, redis_url: str | None = None, namespace: str = DEFAULT_NAMESPACE,
                          max_chunks: int = DEFAULT_MAX_DEPTH, policy: dict[str, Any] | None = None,
                          reader: dict[str, Any] | None = None, enable_metrics: bool = True,
-                         cluster_mode: bool = False, **kwargs: Any) -> None:
+                         cluster_mode: bool = False, predictions: bool = False, **kwargs: Any) -> None:
         if kwargs:
             raise TypeError(f"PrefixAwareRouter got unknown request_router_kwargs: {sorted(kwargs)}")
         if max_chunks < 1:
             raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
         url = redis_url or os.environ.get(REDIS_URL_ENV) or None
         self._max_chunks = max_chunks
+        self._predictions = bool(predictions)
         self._policy = PrefixPolicy(PolicyConfig(**(policy or {})))
         factory = (lambda: AsyncPrefixIndex(url, namespace=namespace, max_chunks=max_chunks,
                                             cluster_mode=cluster_mode)) if url else None
@@ -134,6 +138,10 @@ class PrefixAwareRouter(RequestRouter):
         decision = self._policy.decide([self._load(r) for r in candidate_replicas], chain, matches)
         req_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         prev = self._reserved.get(req_id) if req_id is not None else None
+        if self._predictions and pending_request is not None and pending_request.kwargs is not None:
+            # the prediction, scored by the worker that runs it (workers/worker_metrics.RoutingAccuracy)
+            pending_request.kwargs[ROUTING_KWARG] = {"reason": decision.reason, "depth": len(chain),
+                                                     "expected": dict(decision.expected)}
         if prev is None:  # first decision for this request (Serve re-asks while replicas are full)
             self._metrics.record(decision.reason, decision.matched_chunks)
             if chain:

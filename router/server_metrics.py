@@ -10,6 +10,12 @@ Cluster view: ``set_cluster(snapshots)`` takes the workers' stats snapshots (``c
 ``workers/worker_metrics.py``), plus ``chunkserve:kv_cache_usage_perc`` over the whole cluster
 (sum of used chunks / sum of pool chunks), ``chunkserve:workers_reporting`` and
 ``chunkserve:cluster_stats_up`` (0 while Redis does not answer).
+
+Routing-prediction accuracy, summed over the workers' snapshots (each worker scores the router's prediction
+for the requests it ran: `workers/worker_metrics.RoutingAccuracy`), labelled ``{model_name, reason}``:
+``chunkserve:routing_predictions_total``, ``chunkserve:routing_predictions_correct_total``,
+``chunkserve:routing_prediction_accuracy`` (correct / predictions) and the histograms
+``chunkserve:routing_predicted_chunks`` and ``chunkserve:routing_reused_chunks`` (leading chunks).
 """
 
 from __future__ import annotations
@@ -19,10 +25,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from chunkserve.workers.worker_metrics import COUNTERS, DESCRIPTIONS, GAUGES
+from chunkserve.workers.worker_metrics import CHUNK_BUCKETS, COUNTERS, DESCRIPTIONS, GAUGES
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0)
@@ -30,6 +36,60 @@ _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
                  5.0, 10.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0)
+
+
+def aggregate_routing(snapshots: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The workers' routing tallies summed per reason (malformed entries skipped)."""
+    n = len(CHUNK_BUCKETS) + 1
+    out: dict[str, dict[str, Any]] = {}
+    for snap in snapshots:
+        routing = snap.get("routing")
+        if not isinstance(routing, dict):
+            continue
+        for reason, t in routing.items():
+            if not isinstance(t, dict):
+                continue
+            a = out.setdefault(str(reason), {"requests": 0, "correct": 0, "predicted_sum": 0, "reused_sum": 0,
+                                             "predicted_buckets": [0] * n, "reused_buckets": [0] * n})
+            for k in ("requests", "correct", "predicted_sum", "reused_sum"):
+                v = t.get(k)
+                a[k] += v if isinstance(v, int) else 0
+            for k in ("predicted_buckets", "reused_buckets"):
+                v = t.get(k)
+                if isinstance(v, list) and len(v) == n:
+                    a[k] = [x + (y if isinstance(y, int) else 0) for x, y in zip(a[k], v, strict=True)]
+    for a in out.values():
+        a["accuracy"] = a["correct"] / a["requests"] if a["requests"] else None
+    return out
+
+
+def _routing_families(model_name: str, snapshots: Sequence[dict[str, Any]]) -> Iterator[Metric]:
+    agg = aggregate_routing(snapshots)
+    lab = ["model_name", "reason"]
+    total = CounterMetricFamily("chunkserve:routing_predictions", "Routed requests scored by the worker "
+                                "that ran them, by decision reason.", labels=lab)
+    correct = CounterMetricFamily("chunkserve:routing_predictions_correct", "Routed requests whose predicted "
+                                  "leading cached chunks equalled the chunks reused, by reason.", labels=lab)
+    acc = GaugeMetricFamily("chunkserve:routing_prediction_accuracy", "Correct routing predictions / routing "
+                            "predictions, by decision reason.", labels=lab)
+    hists = {k: HistogramMetricFamily(f"chunkserve:routing_{k}_chunks", f"Leading chunks {what}, by reason.",
+                                      labels=lab)
+             for k, what in (("predicted", "the router expected the chosen worker to hold"),
+                             ("reused", "the worker reused"))}
+    bounds = [str(float(b)) for b in CHUNK_BUCKETS] + ["+Inf"]
+    for reason, a in sorted(agg.items()):
+        lv = [model_name, reason]
+        total.add_metric(lv, float(a["requests"]))
+        correct.add_metric(lv, float(a["correct"]))
+        if a["accuracy"] is not None:
+            acc.add_metric(lv, a["accuracy"])
+        for k, h in hists.items():
+            cum, buckets = 0, []
+            for b, c in zip(bounds, a[f"{k}_buckets"], strict=True):
+                cum += c
+                buckets.append((b, float(cum)))
+            h.add_metric(lv, buckets, float(a[f"{k}_sum"]))
+    yield from (total, correct, acc, *hists.values())
 
 
 class _ClusterCollector:
@@ -63,6 +123,7 @@ class _ClusterCollector:
                     if isinstance(v, (int, float)):
                         m.add_metric([self.model_name, str(snap.get("worker_id"))], float(v))
                 yield m
+        yield from _routing_families(self.model_name, self.snapshots)
 
 
 class ServerMetrics:
@@ -88,6 +149,9 @@ class ServerMetrics:
         self.request_errors = Counter(
             "chunkserve:request_errors", "Requests rejected or failed, by status code.",
             ["model_name", "code"], registry=r)
+        self.failovers = Counter(
+            "chunkserve:request_failovers", "Requests moved to another worker after theirs died, by phase "
+            "(before_first_token or mid_stream).", tl + ["phase"], registry=r)
         self.num_requests_running = Gauge(
             "chunkserve:num_requests_running", "Requests generating tokens.", tl, registry=r)
         self.num_requests_waiting = Gauge(
@@ -107,6 +171,18 @@ class ServerMetrics:
             buckets=_E2E_BUCKETS, registry=r)
         self._cluster = _ClusterCollector(model_name)
         r.register(self._cluster)
+        # per tenant: cached / prompt / generated tokens seen by this ingress (for the dashboard)
+        self.tenant_tokens: dict[str, dict[str, int]] = {}
+
+    def _tally(self, tenant: str, **inc: int) -> None:
+        t = self.tenant_tokens.setdefault(tenant, {"cached": 0, "prompt": 0, "generated": 0, "requests": 0})
+        for k, v in inc.items():
+            t[k] += v
+
+    @property
+    def cluster_snapshots(self) -> list[dict[str, Any]]:
+        """The workers' snapshots last given to `set_cluster`."""
+        return list(self._cluster.snapshots)
 
     def _l(self, tenant: str) -> dict[str, str]:
         return {"model_name": self.model_name, "tenant": tenant}
@@ -123,6 +199,7 @@ class ServerMetrics:
         self.prefix_cache_queries.labels(**lab).inc(prompt_tokens)
         self.prefix_cache_hits.labels(**lab).inc(cached_tokens)
         self.prompt_tokens.labels(**lab).inc(prompt_tokens)
+        self._tally(tenant, cached=cached_tokens, prompt=prompt_tokens)
 
     def request_done(self, tenant: str, started: bool, e2e_s: float, decode_s: float, output_tokens: int,
                      finish_reason: str) -> None:
@@ -133,10 +210,14 @@ class ServerMetrics:
         else:
             self.num_requests_waiting.labels(**lab).dec()
         self.generation_tokens.labels(**lab).inc(output_tokens)
+        self._tally(tenant, generated=output_tokens, requests=1)
         self.e2e_request_latency.labels(**lab).observe(max(0.0, e2e_s))
         if output_tokens > 1:
             self.time_per_output_token.labels(**lab).observe(max(0.0, decode_s) / (output_tokens - 1))
         self.request_success.labels(**lab, finished_reason=finish_reason).inc()
+
+    def failover(self, tenant: str, phase: str) -> None:
+        self.failovers.labels(**self._l(tenant), phase=phase).inc()
 
     def error(self, status: int | str) -> None:
         self.request_errors.labels(model_name=self.model_name, code=str(status)).inc()

@@ -27,12 +27,13 @@ from chunkserve.workers.cpu_budget import rule_threads
 from chunkserve.workers.engine import EngineConfig
 from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
 from chunkserve.workers.streaming import StreamBatching
-from chunkserve.workers.worker_metrics import WorkerMetrics
+from chunkserve.workers.worker_metrics import RoutingAccuracy, WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 0.05
 STATS_INTERVAL_S = 1.0
+FOREST_INTERVAL_S = 2.0  # forest summaries for the dashboard (`workers/tree_summary.py`)
 PREFIX_ROUTER = "chunkserve.router.request_router.PrefixAwareRouter"
 
 
@@ -55,6 +56,7 @@ class WorkerServer:
         self.batching = StreamBatching.from_options(stream_batching)
         self.engine = AsyncEngine(cfg)
         self.metrics = WorkerMetrics(worker_id, enable_ray=enable_ray_metrics)
+        self.routing = RoutingAccuracy(worker_id, self.engine.core.cache.chunk_size)
         self.publisher = None
         self.stats_writer = None
         self._pub_task: asyncio.Task | None = None
@@ -77,7 +79,7 @@ class WorkerServer:
             self._pub_task = asyncio.get_running_loop().create_task(self._publish_loop())
 
     async def _publish_loop(self) -> None:
-        next_stats = 0.0
+        next_stats = next_forest = 0.0
         while True:
             try:
                 if self.publisher is not None:
@@ -88,24 +90,33 @@ class WorkerServer:
                 if now >= next_stats:
                     next_stats = now + STATS_INTERVAL_S
                     await self.report_stats()
+                if self.stats_writer is not None and now >= next_forest:
+                    next_forest = now + FOREST_INTERVAL_S
+                    summary = await self.engine.forest_summary()
+                    await asyncio.to_thread(self.stats_writer.write_forest, summary)
             except Exception:  # never let one bad tick stop publishing
                 logger.exception("worker %s: publish/stats tick failed", self.worker_id)
             await asyncio.sleep(PUBLISH_INTERVAL_S if self.publisher is not None else STATS_INTERVAL_S)
 
     async def report_stats(self) -> dict[str, Any]:
         """Record the engine's stats as metrics and (with Redis) write the snapshot. -> the stats."""
-        st = self.engine.stats()
+        st = {**self.engine.stats(), "routing": self.routing.snapshot()}
         self.metrics.update(st)
         if self.stats_writer is not None:
             await asyncio.to_thread(self.stats_writer.write, st)
         return st
 
-    async def generate(self, request: GenerateRequest, chunk_hashes: list[int] | None = None
-                       ) -> AsyncIterator[GenerateDelta]:
-        """Stream the request's deltas, coalesced (``chunk_hashes`` is read by the router, not needed here)."""
+    async def generate(self, request: GenerateRequest, chunk_hashes: list[int] | None = None,
+                       routing: dict[str, Any] | None = None) -> AsyncIterator[GenerateDelta]:
+        """Stream the request's deltas, coalesced (``chunk_hashes`` is read by the router, not needed here;
+        ``routing``, the router's prediction, is scored against the reuse on the first delta)."""
         self.start_publishing()
+        pending = routing is not None
         async with contextlib.aclosing(self.engine.generate(request, self.batching)) as gen:
             async for delta in gen:
+                if pending:
+                    pending = False
+                    self.routing.record(request.request_id, routing, delta.num_cached_tokens)
                 yield delta
 
     def routing_stats(self) -> dict[str, Any]:
@@ -133,17 +144,25 @@ def build_worker_deployment(name: str = "Worker", num_replicas: int | str = 1,
                             router_kwargs: dict[str, Any] | None = None,
                             autoscaling_config: dict[str, Any] | None = None,
                             max_ongoing_requests: int = 64,
-                            request_router_class: str | None = PREFIX_ROUTER) -> Any:
+                            request_router_class: str | None = PREFIX_ROUTER,
+                            graceful_shutdown_timeout_s: float = 30.0) -> Any:
     """A Serve deployment class for the worker, routed by ``request_router_class`` (an import path;
-    default `PrefixAwareRouter`; ``None``: Ray Serve's default power-of-two-choices router, no kwargs)."""
+    default `PrefixAwareRouter`; ``None``: Ray Serve's default power-of-two-choices router, no kwargs).
+    A replica being stopped takes no new requests and finishes its running ones for up to
+    ``graceful_shutdown_timeout_s`` (the drain)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     opts: dict[str, Any] = {"name": name, "max_ongoing_requests": max_ongoing_requests,
-                            "ray_actor_options": ray_actor_options or {"num_cpus": 0}}
+                            "ray_actor_options": ray_actor_options or {"num_cpus": 0},
+                            "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s,
+                            "graceful_shutdown_wait_loop_s": 0.5}
     if request_router_class is not None:
         opts["request_router_config"] = RequestRouterConfig(request_router_class=request_router_class,
-                                                            request_router_kwargs=router_kwargs or {},
+                                                            request_router_kwargs=(
+                                                                {"predictions": True, **(router_kwargs or {})}
+                                                                if request_router_class == PREFIX_ROUTER
+                                                                else router_kwargs or {}),
                                                             request_routing_stats_period_s=1.0)
     if autoscaling_config:
         opts["autoscaling_config"] = autoscaling_config
@@ -164,10 +183,17 @@ def build_worker_deployment(name: str = "Worker", num_replicas: int | str = 1,
             with contextlib.suppress(RuntimeError):
                 self.server.start_publishing()
 
-        async def generate(self, request: GenerateRequest, chunk_hashes: list[int] | None = None
-                           ) -> AsyncIterator[GenerateDelta]:
-            async for delta in self.server.generate(request, chunk_hashes):
+        async def generate(self, request: GenerateRequest, chunk_hashes: list[int] | None = None,
+                           routing: dict[str, Any] | None = None) -> AsyncIterator[GenerateDelta]:
+            async for delta in self.server.generate(request, chunk_hashes, routing):
                 yield delta
+
+        def routing_log(self) -> list[dict[str, Any]]:
+            """This replica's routing-prediction outcomes (bounded, oldest first)."""
+            return list(self.server.routing.log)
+
+        async def forest_summary(self) -> dict[str, Any]:
+            return await self.server.engine.forest_summary()
 
         def record_routing_stats(self) -> dict[str, Any]:
             return self.server.routing_stats()

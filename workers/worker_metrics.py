@@ -18,6 +18,7 @@ Without Ray (workers/ must run without it) only the local tallies (``totals``, `
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -123,3 +124,73 @@ def _ray_metrics() -> dict[str, Any]:
     except Exception as e:  # metrics must never break serving
         logger.warning("worker metrics disabled: %s", e)
         return {}
+
+
+# ---- routing-prediction accuracy ----------------------------------------------------------------------
+# Upper bounds (le) of the chunk-count histogram buckets; the last bucket is +Inf.
+CHUNK_BUCKETS: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+ROUTING_KWARG = "routing"  # what PrefixAwareRouter adds to the request's kwargs
+
+
+def bucket_of(n: int) -> int:
+    """Index of the first bucket whose bound is >= n (len(CHUNK_BUCKETS) for +Inf)."""
+    for i, b in enumerate(CHUNK_BUCKETS):
+        if n <= b:
+            return i
+    return len(CHUNK_BUCKETS)
+
+
+class RoutingAccuracy:
+    """Whether the router's prediction came true, per decision reason, as this worker saw it.
+
+    The router sends ``routing = {"reason": r, "depth": d, "expected": {worker id: k}}``: the hash depth d
+    (leading full chunks hashed) and, per candidate, the k leading chunks it expected that worker to hold.
+    When the request's first delta comes out, the chunks this worker reused are ``min(cached tokens //
+    chunk size, d)``; the prediction is correct when that equals this worker's k. Kept per reason: requests,
+    correct ones, sums and bucket counts of predicted and reused chunks; each outcome also goes to a bounded
+    log (``log``, the records an offline recomputation reads) and, when off by more than one chunk, to the
+    debug log with the hash depth.
+    """
+
+    def __init__(self, worker_id: str, chunk_size: int, max_log: int = 10_000) -> None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.worker_id = worker_id
+        self.chunk_size = chunk_size
+        self.by_reason: dict[str, dict[str, Any]] = {}
+        self.log: deque[dict[str, Any]] = deque(maxlen=max_log)
+
+    def record(self, request_id: str, routing: Any, num_cached_tokens: int) -> dict[str, Any] | None:
+        """Record one routed request; -> the outcome, or None when ``routing`` is absent or malformed."""
+        if not isinstance(routing, Mapping):
+            return None
+        reason, depth, expected = routing.get("reason"), routing.get("depth"), routing.get("expected")
+        if not isinstance(reason, str) or not isinstance(depth, int) or not isinstance(expected, Mapping):
+            return None
+        predicted = expected.get(self.worker_id, 0)
+        if not isinstance(predicted, int):
+            return None
+        reused = min(max(0, int(num_cached_tokens)) // self.chunk_size, depth)
+        rec = {"request_id": request_id, "reason": reason, "depth": depth, "predicted": predicted,
+               "reused": reused, "correct": predicted == reused}
+        t = self.by_reason.get(reason)
+        if t is None:
+            n = len(CHUNK_BUCKETS) + 1
+            t = self.by_reason[reason] = {"requests": 0, "correct": 0, "predicted_sum": 0, "reused_sum": 0,
+                                          "predicted_buckets": [0] * n, "reused_buckets": [0] * n}
+        t["requests"] += 1
+        t["correct"] += int(rec["correct"])
+        t["predicted_sum"] += predicted
+        t["reused_sum"] += reused
+        t["predicted_buckets"][bucket_of(predicted)] += 1
+        t["reused_buckets"][bucket_of(reused)] += 1
+        self.log.append(rec)
+        if abs(predicted - reused) > 1:
+            logger.debug("routing prediction off: request %s reason %s hash depth %d predicted %d reused %d "
+                         "on worker %s", request_id, reason, depth, predicted, reused, self.worker_id)
+        return rec
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """A JSON-able copy of the per-reason tallies."""
+        return {r: {k: (list(v) if isinstance(v, list) else v) for k, v in t.items()}
+                for r, t in self.by_reason.items()}
