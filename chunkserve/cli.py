@@ -17,6 +17,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "kernel": ("chunkserve.kernels.bench", "the paper's microkernel table: naive, SDPA, paged, TPP"),
     "e2e": ("chunkserve.workers.bench_e2e", "the paper's end-to-end table on this machine"),
     "prefill": ("chunkserve.kernels.bench_prefill", "prefill over a cached prefix vs dense SDPA"),
+    "serve": ("chunkserve.tools.bench_serve", "serving benchmark: OpenAI-compatible endpoints side by side"),
 }
 
 
