@@ -8,8 +8,11 @@ the model only on uncached tokens and still gets exact attention over the whole 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from chunkserve.kernels.torch_ops import merge_into, partial_attention
@@ -21,11 +24,59 @@ def _as_list(x: torch.Tensor | Sequence[int]) -> list[int]:
     return [int(v) for v in (x.tolist() if isinstance(x, torch.Tensor) else x)]
 
 
-def check_prefill_inputs(
-    q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, block_table: torch.Tensor,
-    block_tokens: torch.Tensor, starts: list[int], cu: list[int],
-) -> None:
-    """Raise ValueError for malformed prefill inputs."""
+@dataclass(frozen=True)
+class PrefillTables:
+    """A step's prefill tables, built and checked on the host once and read by every layer.
+
+    ``table_host``/``tokens_host``: [B, P] chunk ids / valid tokens (host, for the torch path and the
+    checks); ``starts``: [B] first new position per row, ``cu``: [B+1] offsets of the rows' new tokens
+    in q (host lists). Device tensors, int32: ``block_table``, ``block_tokens``, ``block_pos`` [B, P]
+    (first key position of each chunk), ``q_start`` [B], ``cu_q`` [B+1]. Nothing is read back from them.
+    """
+
+    table_host: np.ndarray
+    tokens_host: np.ndarray
+    starts: list[int]
+    cu: list[int]
+    block_table: torch.Tensor
+    block_tokens: torch.Tensor
+    block_pos: torch.Tensor
+    q_start: torch.Tensor
+    cu_q: torch.Tensor
+
+    @functools.cached_property
+    def lists(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(chunk ids, valid tokens) per row as host lists, made once for all layers (torch path)."""
+        return self.table_host.tolist(), self.tokens_host.tolist()
+
+    @staticmethod
+    def host_arrays(table: np.ndarray, tokens: np.ndarray, starts: list[int], cu: list[int]
+                    ) -> dict[str, np.ndarray]:
+        """Check the host tables (ValueError if malformed) and derive the arrays the device needs."""
+        check_prefill_tables(table.shape, tokens, starts, cu, cu[-1] if cu else 0)
+        tok = np.ascontiguousarray(tokens, dtype=np.int32)
+        return dict(block_table=np.ascontiguousarray(table, dtype=np.int32), block_tokens=tok,
+                    block_pos=(np.cumsum(tok, axis=1, dtype=np.int32) - tok),
+                    q_start=np.asarray(starts, dtype=np.int32), cu_q=np.asarray(cu, dtype=np.int32))
+
+
+def check_prefill_tables(table_shape: tuple[int, ...], tokens: np.ndarray, starts: list[int], cu: list[int],
+                         num_q: int) -> None:
+    """Raise ValueError for malformed prefill tables (host data only: nothing is read from a device)."""
+    b = len(starts)
+    if len(table_shape) != 2 or table_shape[0] != b or tuple(tokens.shape) != tuple(table_shape):
+        raise ValueError("block_table and block_tokens must both be [B, max_chunks] with B = len(q_start)")
+    if len(cu) != b + 1 or cu[0] != 0 or cu[-1] != num_q or any(cu[i] > cu[i + 1] for i in range(b)):
+        raise ValueError(f"cu_q must be {b + 1} non-decreasing offsets from 0 to {num_q}")
+    totals = tokens.sum(axis=1).tolist() if b else []
+    for i in range(b):
+        if starts[i] < 0 or starts[i] + cu[i + 1] - cu[i] > totals[i]:
+            raise ValueError(f"row {i}: new tokens end at {starts[i] + cu[i + 1] - cu[i]} "
+                             f"but its chunks hold {totals[i]} tokens")
+
+
+def check_prefill_q(q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor) -> None:
+    """Raise ValueError for a malformed q or pool layer (shapes and dtypes only)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("q must be a tensor [T, Hq, D]")
     if k_pool_l.dim() != 4 or k_pool_l.shape != v_pool_l.shape:
@@ -35,16 +86,6 @@ def check_prefill_inputs(
         raise ValueError(f"q shape {tuple(q.shape)} does not fit pools with Hkv={hkv}, D={d}")
     if q.dtype != k_pool_l.dtype or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q dtype {q.dtype} must equal the pool dtype {k_pool_l.dtype} (fp32/fp16/bf16)")
-    b = len(starts)
-    if block_table.dim() != 2 or block_table.shape[0] != b or block_tokens.shape != block_table.shape:
-        raise ValueError("block_table and block_tokens must both be [B, max_chunks] with B = len(q_start)")
-    if len(cu) != b + 1 or cu[0] != 0 or cu[-1] != q.shape[0] or any(cu[i] > cu[i + 1] for i in range(b)):
-        raise ValueError(f"cu_q must be {b + 1} non-decreasing offsets from 0 to {q.shape[0]}")
-    totals = _as_list(block_tokens.sum(dim=1))
-    for i in range(b):
-        if starts[i] < 0 or starts[i] + cu[i + 1] - cu[i] > totals[i]:
-            raise ValueError(f"row {i}: new tokens end at {starts[i] + cu[i + 1] - cu[i]} "
-                             f"but its chunks hold {totals[i]} tokens")
 
 
 def _segments(ids: list[int], toks: list[int], c: int, length: int) -> list[tuple[int, int, int, list[int]]]:
@@ -72,8 +113,8 @@ def _segments(ids: list[int], toks: list[int], c: int, length: int) -> list[tupl
 
 
 def prefill_torch(
-    q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, block_table: torch.Tensor,
-    block_tokens: torch.Tensor, starts: list[int], cu: list[int], scale: float,
+    q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, tables: list[list[int]],
+    tokens: list[list[int]], starts: list[int], cu: list[int], scale: float,
 ) -> torch.Tensor:
     """Loop over rows; each row reads its keys in place (one view per run of consecutive chunks).
 
@@ -85,7 +126,6 @@ def prefill_torch(
     hq = q.shape[1]
     g = hq // hkv
     out = torch.empty_like(q)
-    tables, tokens = block_table.tolist(), block_tokens.tolist()
     for b in range(len(starts)):
         n_b = cu[b + 1] - cu[b]
         if n_b == 0:
@@ -143,11 +183,34 @@ def prefill_attention(
 
     block_table, block_tokens: [B, P] int32; q_start: [B] first new position per row;
     cu_q: [B+1] offsets of each row's new tokens in q. backend: "torch" | "triton" | "auto".
+    Convenience form: tables on a GPU are read back here to check them; the engine builds
+    `PrefillTables` on the host once per step and calls `prefill_step`, which reads nothing back.
     """
     if backend not in PREFILL_BACKENDS:
         raise ValueError(f"unknown prefill backend {backend!r}; expected one of {PREFILL_BACKENDS}")
+    check_prefill_q(q, k_pool_l, v_pool_l)
+    if block_table.dim() != 2 or block_tokens.shape != block_table.shape:
+        raise ValueError("block_table and block_tokens must both be [B, max_chunks] with B = len(q_start)")
     starts, cu = _as_list(q_start), _as_list(cu_q)
-    check_prefill_inputs(q, k_pool_l, v_pool_l, block_table, block_tokens, starts, cu)
+    table_h = block_table.cpu().numpy()
+    tokens_h = block_tokens.cpu().numpy()
+    if len(cu) != len(starts) + 1 or (cu and cu[-1] != q.shape[0]):
+        raise ValueError(f"cu_q must be {len(starts) + 1} non-decreasing offsets from 0 to {q.shape[0]}")
+    arrays = PrefillTables.host_arrays(table_h, tokens_h, starts, cu)
+    dev = k_pool_l.device
+    tables = PrefillTables(table_h, tokens_h, starts, cu,
+                           **{k: torch.from_numpy(a).to(dev) for k, a in arrays.items()})
+    return prefill_step(q, k_pool_l, v_pool_l, tables, scale, backend)
+
+
+def prefill_step(q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, tables: PrefillTables,
+                 scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """`prefill_attention` over tables checked on the host (`PrefillTables`): no device read-back."""
+    if backend not in PREFILL_BACKENDS:
+        raise ValueError(f"unknown prefill backend {backend!r}; expected one of {PREFILL_BACKENDS}")
+    check_prefill_q(q, k_pool_l, v_pool_l)
+    if q.shape[0] != (tables.cu[-1] if tables.cu else 0):
+        raise ValueError(f"q has {q.shape[0]} rows but the tables describe {tables.cu[-1] if tables.cu else 0}")
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5
     if backend == "auto":
@@ -155,5 +218,5 @@ def prefill_attention(
     if backend == "triton":
         from chunkserve.kernels.prefill_triton import prefill_triton
 
-        return prefill_triton(q, k_pool_l, v_pool_l, block_table, block_tokens, starts, cu, float(scale))
-    return prefill_torch(q, k_pool_l, v_pool_l, block_table, block_tokens, starts, cu, float(scale))
+        return prefill_triton(q, k_pool_l, v_pool_l, tables, float(scale))
+    return prefill_torch(q, k_pool_l, v_pool_l, *tables.lists, tables.starts, tables.cu, float(scale))

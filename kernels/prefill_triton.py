@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from chunkserve.kernels.prefill import PrefillTables
 from chunkserve.kernels.triton_common import _attend, check_triton_inputs, dot_flags, rows_config
 
 
@@ -56,35 +57,39 @@ def _prefill_kernel(Q, K, V, Out, table, tokens, block_pos, q_start, cu_q, scale
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=qmask)
 
 
-def prefill_triton(
-    q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, block_table: torch.Tensor,
-    block_tokens: torch.Tensor, starts: list[int], cu: list[int], scale: float,
-) -> torch.Tensor:
-    """Launch the prefill kernel. q: [T, Hq, D] (rows' new tokens concatenated) -> [T, Hq, D]."""
+def prefill_triton(q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, tables: PrefillTables,
+                   scale: float) -> torch.Tensor:
+    """Launch the prefill kernel. q: [T, Hq, D] (rows' new tokens concatenated) -> [T, Hq, D].
+
+    Every index array comes from ``tables`` (built once per step, on the device already): nothing is
+    built from host lists or read back here, per layer.
+    """
     check_triton_inputs(q, k_pool_l)
     hkv, _n, c, d = k_pool_l.shape
     hq = q.shape[1]
     g = hq // hkv
     q = q.contiguous()
     out = torch.empty_like(q)
+    starts, cu = tables.starts, tables.cu
     b = len(starts)
     if q.shape[0] == 0 or b == 0:
         return out
     dev = q.device
-    table = block_table.to(device=dev, dtype=torch.int32).contiguous()  # [b, width]
-    toks = block_tokens.to(device=dev, dtype=torch.int32).contiguous()  # [b, width]
-    block_pos = (torch.cumsum(toks, dim=1, dtype=torch.int32) - toks).contiguous()  # [b, width]
-    q_start = torch.tensor(starts, dtype=torch.int32, device=dev)
-    cu_q = torch.tensor(cu, dtype=torch.int32, device=dev)
+    table, toks = tables.block_table, tables.block_tokens  # [b, width] int32 each
     max_rows = max(cu[i + 1] - cu[i] for i in range(b)) * g
     cfg = rows_config(d, max_rows, q.dtype)
     block_m = cfg.block_m
     width = table.shape[1]
     grid = (b, hkv, triton.cdiv(max_rows, block_m))
     _prefill_kernel[grid](
-        q, k_pool_l, v_pool_l, out, table, toks, block_pos, q_start, cu_q, scale, width,
+        q, k_pool_l, v_pool_l, out, table, toks, tables.block_pos, tables.q_start, tables.cu_q, scale, width,
         q.stride(0), q.stride(1), k_pool_l.stride(0), k_pool_l.stride(1), k_pool_l.stride(2),
         G=g, HEAD_D=d, CHUNK=c, BLOCK_M=block_m, **cfg.constexprs(),
-        BLOCK_W=max(16, min(256, triton.next_power_of_2(width))), **dot_flags(q.dtype, dev), **cfg.options(),
+        BLOCK_W=prefill_block_w(width), **dot_flags(q.dtype, dev), **cfg.options(),
     )
     return out
+
+
+def prefill_block_w(width: int) -> int:
+    """The BLOCK_W constexpr for a table of ``width`` chunks per row: 16, 32, ..., 256 (a bucket)."""
+    return max(16, min(256, triton.next_power_of_2(width)))

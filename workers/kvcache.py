@@ -17,9 +17,10 @@ import torch
 from chunkserve.cluster.events import CacheEvent
 from chunkserve.kernels.context import ChunkContext
 from chunkserve.workers.chunk_pool import ChunkPool, KVCacheFull
-from chunkserve.workers.kvcontext import ContextBuilder
+from chunkserve.workers.kvcontext import ContextBuilder, HostContext
 from chunkserve.workers.kvtree import Node, Sequence
 from chunkserve.workers.prefix_tree import PrefixTree, check_tokens
+from chunkserve.workers.staging import Staging
 
 __all__ = ["KVCacheFull", "PrefixKVCache"]
 
@@ -123,16 +124,22 @@ class PrefixKVCache(PrefixTree):
         return seq.seq_id, cached
 
     def extend(self, seq_id: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Give the next ``n`` pending tokens (all by default) slots; returns ``(chunks, offsets)``.
+        """Give the next ``n`` pending tokens (all by default) slots; returns ``(chunks, offsets)``
+        as int64 tensors on the pool device. Raises KVCacheFull (leaving the cache unchanged) when no
+        room can be made."""
+        chunks, offsets = self.extend_host(seq_id, n)
+        dev = self.pool.device
+        return torch.as_tensor(chunks, device=dev), torch.as_tensor(offsets, device=dev)
 
-        Raises KVCacheFull (leaving the cache unchanged) when no room can be made.
-        """
+    def extend_host(self, seq_id: int, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`extend` with the slots in host memory (int64 numpy arrays): what the engine's step uses,
+        so that planning a step never touches the device."""
         seq = self._seq(seq_id)
         n = len(seq.pending) if n is None else int(n)
         if n < 0 or n > len(seq.pending):
             raise ValueError(f"sequence {seq_id} has {len(seq.pending)} pending tokens, asked for {n}")
         if n == 0:
-            empty = torch.zeros(0, dtype=torch.long, device=self.pool.device)
+            empty = np.zeros(0, dtype=np.int64)
             return empty, empty
         c = self.chunk_size
         leaf = seq.leaf
@@ -177,9 +184,7 @@ class PrefixKVCache(PrefixTree):
         self._note_peak()
         if self._in_step:
             self._unwritten.update(chunks)
-        dev = self.pool.device
-        return (torch.tensor(chunks, dtype=torch.long, device=dev),
-                torch.tensor(offsets, dtype=torch.long, device=dev))
+        return np.asarray(chunks, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
 
     # ------------------------------------------------------------------ engine steps
     def begin_step(self) -> None:
@@ -246,7 +251,7 @@ class PrefixKVCache(PrefixTree):
             raise ValueError(f"sequence {seq_id} still has {seq.pending.size} uncommitted prompt tokens")
         seq.pending = np.asarray([int(token_id)], dtype=np.int64)
         try:
-            chunks, offsets = self.extend(seq_id, 1)
+            chunks, offsets = self.extend_host(seq_id, 1)
         except KVCacheFull:
             seq.pending = seq.pending[:0]
             raise
@@ -297,6 +302,14 @@ class PrefixKVCache(PrefixTree):
     def context(self, seq_ids: Seq[int]) -> ChunkContext:
         """The kernel context for a decode batch (cached while the tree structure is unchanged)."""
         return self._ctx.get([int(s) for s in seq_ids])
+
+    def host_context(self, seq_ids: Seq[int]) -> HostContext:
+        """The decode batch's context in host memory (the engine moves it with its step's one copy)."""
+        return self._ctx.get_host([int(s) for s in seq_ids])
+
+    def device_context(self, host: HostContext, staging: Staging | None = None) -> ChunkContext:
+        """The `ChunkContext` of a `host_context` (CPU: zero-copy views; else through ``staging``)."""
+        return self._ctx.device_context(host, staging)
 
     def seq_len(self, seq_id: int) -> int:
         return self._seq(seq_id).length

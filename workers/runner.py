@@ -3,30 +3,114 @@
 Rows are laid out as [prefill pieces..., decode rows in tree order]. The per-layer attention
 (`StepAttention`) first scatters the step's new K/V into their pool slots, then runs prefill
 attention over each piece's cached prefix and TPP decode attention over the decode rows.
-Everything that is the same for all layers (slot indices, prefill tables) is built once per step;
-the decode kernels reuse one scratch `Workspace` across layers and steps.
+Everything that is the same for all layers (slot indices, prefill tables, the decode context) is
+built once per step in host memory and reaches the device in the step's one copy (`Staging`); the
+step reads nothing back from the device. The decode kernels reuse one scratch `Workspace` across
+layers and steps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 import torch
 
 from chunkserve.kernels.api import DecodeFn, check_decode_inputs, get_decode_fn, resolve_backend
 from chunkserve.kernels.context import ChunkContext
-from chunkserve.kernels.prefill import prefill_attention
+from chunkserve.kernels.prefill import PrefillTables, prefill_step
 from chunkserve.kernels.torch_ops import Workspace
 from chunkserve.workers.kvcache import PrefixKVCache
+from chunkserve.workers.kvcontext import HostContext
 from chunkserve.workers.model import CausalLM
 from chunkserve.workers.scheduler import Request, StepPlan
+from chunkserve.workers.staging import Staging
+
+# stage(staging, sampling requests) -> bind(flushed tensors): lets the sampler ride the step's copy
+SampleStager = Callable[[Staging, list[Request]], Callable[[list[torch.Tensor]], Any]]
+
+
+class StepInputs:
+    """A step's host-built metadata, staged for one copy: token ids, positions, K/V slots, the rows
+    that write K/V and that sample, prefill tables and the decode context."""
+
+    def __init__(self, cache: PrefixKVCache, plan: StepPlan, staging: Staging) -> None:
+        c = cache.chunk_size
+        ids: list[int] = []
+        pos: list[int] = []
+        sample_rows: list[int] = []
+        self.sample_reqs: list[Request] = []
+        write_rows: list[int] = []
+        for piece in plan.prefills:
+            if piece.write:
+                write_rows += range(len(ids), len(ids) + len(piece.tokens))
+            ids += piece.tokens
+            pos += range(piece.start, piece.start + len(piece.tokens))
+            if piece.samples:
+                sample_rows.append(len(ids) - 1)
+                self.sample_reqs.append(piece.req)
+        self.num_prefill = base = len(ids)
+        if plan.decodes:
+            sample_rows += range(base, base + len(plan.decodes))
+            self.sample_reqs += plan.decodes
+            write_rows += range(base, base + len(plan.decodes))
+            ids += [req.output[-1] for req in plan.decodes]
+            pos += [len(req.prompt) + len(req.output) - 1 for req in plan.decodes]
+        self.num_tokens = len(ids)
+        self.num_sample = len(sample_rows)
+        self._i: dict[str, int] = {"ids": staging.add(ids), "pos": staging.add(pos)}
+        # flat slot of every new token in a layer's pool viewed as [Hkv, N*c, D]
+        slots = np.asarray(plan.slot_chunks, dtype=np.int64) * c + np.asarray(plan.slot_offsets, dtype=np.int64)
+        self._i["slots"] = staging.add(slots)  # [T_write]
+        # rows that write K/V (all but the logits-only rows of fully cached prompts)
+        if len(write_rows) < len(ids):
+            self._i["write_rows"] = staging.add(write_rows)
+        if sample_rows and len(sample_rows) < len(ids):
+            self._i["sample_rows"] = staging.add(sample_rows)
+        self._prefill_host: tuple | None = None
+        if plan.prefills:
+            tables = [cache.seq_chunks(p.req.seq_id) for p in plan.prefills]
+            width = max(len(t) for t in tables)
+            bt = np.zeros((len(tables), width), dtype=np.int32)
+            btok = np.zeros((len(tables), width), dtype=np.int32)
+            for r, (t, p) in enumerate(zip(tables, plan.prefills, strict=True)):
+                n = len(t)
+                bt[r, :n] = t
+                btok[r, :n - 1] = c
+                btok[r, n - 1] = cache.seq_len(p.req.seq_id) - c * (n - 1)
+            starts = [p.start for p in plan.prefills]
+            cu = [0]
+            for p in plan.prefills:
+                cu.append(cu[-1] + len(p.tokens))
+            arrays = PrefillTables.host_arrays(bt, btok, starts, cu)  # checked here, on the host
+            self._prefill_host = (bt, btok, starts, cu, {k: staging.add(a, a.dtype.type) for k, a in arrays.items()})
+        self.host_ctx: HostContext | None = plan.decode_ctx  # type: ignore[assignment]
+        self._ctx_idx: list[int] | None = None
+        if self.host_ctx is not None and not staging.on_host:
+            self._ctx_idx = self.host_ctx.stage(staging)
+        self.t: dict[str, torch.Tensor] = {}
+        self.prefill: PrefillTables | None = None
+        self.ctx: ChunkContext | None = None
+
+    def bind(self, tensors: list[torch.Tensor], cache: PrefixKVCache) -> None:
+        """Take the device tensors of the flushed copy."""
+        self.t = {k: tensors[i] for k, i in self._i.items()}
+        if self._prefill_host is not None:
+            bt, btok, starts, cu, idx = self._prefill_host
+            self.prefill = PrefillTables(bt, btok, starts, cu, **{k: tensors[i] for k, i in idx.items()})
+        if self.host_ctx is not None:
+            if self._ctx_idx is not None:
+                self.ctx = self.host_ctx.from_tensors(tensors, self._ctx_idx)
+            else:  # CPU: the cache's zero-copy context
+                self.ctx = cache.device_context(self.host_ctx)
 
 
 class StepAttention:
     """The `AttentionFn` of one step: K/V writes + prefill attention + decode attention."""
 
-    def __init__(self, cache: PrefixKVCache, plan: StepPlan, decode_backend: str, prefill_backend: str,
+    def __init__(self, cache: PrefixKVCache, inputs: StepInputs, decode_backend: str, prefill_backend: str,
                  scale: float, workspace: Workspace | None = None, pools: PoolViews | None = None) -> None:
-        dev = cache.pool.device
-        c = cache.chunk_size
         self.cache = cache
         self.pools = pools if pools is not None else PoolViews(cache)
         self.scale = scale
@@ -36,42 +120,15 @@ class StepAttention:
         self.workspace = workspace
         if workspace is not None:
             workspace.new_step()  # contexts' token counts are refreshed in place between steps
-        # flat slot of every new token in a layer's pool viewed as [Hkv, N*c, D]
-        self.slots = torch.tensor([ch * c + off for ch, off in zip(plan.slot_chunks, plan.slot_offsets, strict=True)],
-                                  dtype=torch.long, device=dev)  # [T_write]
-        # rows that write K/V (all but the logits-only rows of fully cached prompts)
-        self.write_rows: torch.Tensor | None = None
-        if any(not p.write for p in plan.prefills):
-            rows: list[int] = []
-            r = 0
-            for p in plan.prefills:
-                if p.write:
-                    rows += range(r, r + len(p.tokens))
-                r += len(p.tokens)
-            rows += range(r, r + len(plan.decodes))
-            self.write_rows = torch.tensor(rows, dtype=torch.long, device=dev)
-        self.num_prefill = sum(len(p.tokens) for p in plan.prefills)
-        self.ctx: ChunkContext | None = plan.decode_ctx  # type: ignore[assignment]
-        if plan.prefills:
-            tables = [cache.seq_chunks(p.req.seq_id) for p in plan.prefills]
-            width = max(len(t) for t in tables)
-            bt = [t + [0] * (width - len(t)) for t in tables]
-            btok = []
-            for t, p in zip(tables, plan.prefills, strict=True):
-                n = len(t)
-                btok.append([c] * (n - 1) + [cache.seq_len(p.req.seq_id) - c * (n - 1)] + [0] * (width - n))
-            self.block_table = torch.tensor(bt, dtype=torch.int32, device=dev)  # [B, P]
-            self.block_tokens = torch.tensor(btok, dtype=torch.int32, device=dev)  # [B, P]
-            self.q_start = [p.start for p in plan.prefills]
-            cu = [0]
-            for p in plan.prefills:
-                cu.append(cu[-1] + len(p.tokens))
-            self.cu_q = cu
+        self.slots = inputs.t["slots"]  # [T_write] int64
+        self.write_rows: torch.Tensor | None = inputs.t.get("write_rows")  # [T_write] int64 or None (all)
+        self.num_prefill = inputs.num_prefill
+        self.ctx: ChunkContext | None = inputs.ctx
+        self.prefill_tables = inputs.prefill
 
     def _prefill(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
-        return prefill_attention(q, kp, vp, self.block_table, self.block_tokens, self.q_start, self.cu_q,
-                                 self.scale, self.prefill_backend)
-
+        assert self.prefill_tables is not None
+        return prefill_step(q, kp, vp, self.prefill_tables, self.scale, self.prefill_backend)
     def _decode(self, layer: int, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
                 out: torch.Tensor | None) -> torch.Tensor:
         # q: [b, Hq, D] in tree order -> [b, Hq, D]; inputs are validated on the first layer only
@@ -134,37 +191,33 @@ class ModelRunner:
         self.scale = model.config.head_dim ** -0.5
         self.workspace = Workspace()  # decode scratch buffers, reused by every layer of every step
         self.pools = PoolViews(cache)
+        self.staging = Staging(cache.pool.device)  # the step's host metadata, one copy per step
+        self.sample_stager: SampleStager | None = None
+        self.sample_job: Any = None  # what sample_stager's bind returned for the last step
         self.tokens_computed = 0  # total tokens run through the model (prefill + decode)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[Request]]:
-        """Forward the step; returns (logits [n, V] fp32, the n requests that sample, in row order)."""
-        ids: list[int] = []
-        pos: list[int] = []
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        for piece in plan.prefills:
-            ids += piece.tokens
-            pos += range(piece.start, piece.start + len(piece.tokens))
-            if piece.samples:
-                sample_rows.append(len(ids) - 1)
-                sample_reqs.append(piece.req)
-        base = len(ids)
-        if plan.decodes:
-            sample_rows += range(base, base + len(plan.decodes))
-            sample_reqs += plan.decodes
-            ids += [req.output[-1] for req in plan.decodes]
-            pos += [len(req.prompt) + len(req.output) - 1 for req in plan.decodes]
-        dev = self.cache.pool.device
+        """Forward the step; returns (logits [n, V] fp32, the n requests that sample, in row order).
+
+        ``sample_stager`` (set by the engine) stages the sampler's per-row knobs into the same copy.
+        """
         if not self.pools.current(self.cache):
             self.pools = PoolViews(self.cache)
-        attn = StepAttention(self.cache, plan, self.decode_backend, self.prefill_backend, self.scale,
+        inputs = StepInputs(self.cache, plan, self.staging)
+        bind_sampler = None
+        if self.sample_stager is not None and inputs.sample_reqs:
+            bind_sampler = self.sample_stager(self.staging, inputs.sample_reqs)
+        tensors = self.staging.flush()  # the step's one host -> device copy (none on the CPU)
+        inputs.bind(tensors, self.cache)
+        self.sample_job = bind_sampler(tensors) if bind_sampler is not None else None
+        attn = StepAttention(self.cache, inputs, self.decode_backend, self.prefill_backend, self.scale,
                              self.workspace, self.pools)
-        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
-                                    torch.tensor(pos, dtype=torch.long, device=dev), attn)  # [T, H]
-        self.tokens_computed += len(ids)
-        if not sample_rows:
+        hidden = self.model.forward(inputs.t["ids"], inputs.t["pos"], attn)  # [T, H]
+        self.tokens_computed += inputs.num_tokens
+        if not inputs.sample_reqs:
             return hidden.new_zeros(0, 0, dtype=torch.float32), []
-        if len(sample_rows) < len(ids):
-            hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=hidden.device))
-        return self.model.compute_logits(hidden), sample_reqs
+        rows = inputs.t.get("sample_rows")
+        if rows is not None:
+            hidden = hidden.index_select(0, rows)  # [n, H]
+        return self.model.compute_logits(hidden), inputs.sample_reqs

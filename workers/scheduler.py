@@ -225,7 +225,7 @@ class Scheduler:
             plan.prefills.append(PrefillPiece(req, len(tokens) - 1, tokens[-1:], True, write=False))
             return 1
         try:
-            chunks, offsets = self.cache.extend(req.seq_id, n)
+            chunks, offsets = self.cache.extend_host(req.seq_id, n)  # host arrays: no device access
         except KVCacheFull:
             self._preempt(req)  # its computed chunks stay cached, so the retry is cheap
             return 0
@@ -241,7 +241,7 @@ class Scheduler:
         """Order decode rows by tree order and record their slots (after all structure changes)."""
         if not decodes:
             return
-        ctx = self.cache.context([r.seq_id for r in decodes])
+        ctx = self.cache.host_context([r.seq_id for r in decodes])  # host arrays; the runner moves them
         order = ctx.order.tolist()
         plan.decodes = [decodes[i] for i in order]
         plan.decode_ctx = ctx
