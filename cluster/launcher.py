@@ -2,7 +2,10 @@
 
 Starts (or joins, with ``--address``) Ray, starts a real Redis server on a free port unless
 ``--redis-url`` is given, deploys the Serve app (ingress + prefix-routed workers) with HTTP and
-gRPC proxies, prints the endpoints, and shuts everything down cleanly on Ctrl-C or SIGTERM.
+gRPC proxies, prints the endpoints, and shuts everything down cleanly on Ctrl-C or SIGTERM: first a
+drain (the app is deleted while the proxies stay up: no new requests are routed to it, and the
+running ones finish within ``--drain-grace`` seconds, default 30), then Serve and Ray stop. A second
+Ctrl-C stops at once.
 Engine threads follow `workers.cpu_budget.engine_threads` (a local Ray started with ``--num-cpus N``
 budgets N cores per node); ``--engine '{"num_threads": K}'`` fixes them.
 The launcher is the one place that ties router/, workers/ and cluster/ together, so it imports
@@ -44,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--engine", default=None, help="JSON of EngineConfig fields, e.g. '{\"chunk_size\": 32}'")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on CPUs with native bf16)")
     ap.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 linears")
+    ap.add_argument("--drain-grace", type=float, default=None,
+                    help="seconds in-flight requests may take to finish on Ctrl-C/SIGTERM (default 30)")
     ap.add_argument("--exit-after", type=float, default=None, help=argparse.SUPPRESS)  # tests
     return ap.parse_args(argv)
 
@@ -68,6 +73,8 @@ def app_config(args: argparse.Namespace, redis_url: str) -> Any:
     for key in ("dtype", "quantization"):
         if getattr(args, key) is not None:
             base["engine"] = {**base.get("engine", {}), key: getattr(args, key)}
+    if args.drain_grace is not None:
+        base["drain_grace_s"] = args.drain_grace
     if args.num_cpus and not args.address:
         base.setdefault("node_cpus", args.num_cpus)  # the local Ray node has that many CPUs: budget those
     base["redis_url"] = redis_url
@@ -127,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
 
     def on_signal(*_: Any) -> None:
+        if stop.is_set():  # a second Ctrl-C: no more waiting
+            raise KeyboardInterrupt
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -153,10 +162,28 @@ def main(argv: list[str] | None = None) -> int:
             while not stop.wait(0.5):
                 if deadline is not None and time.monotonic() > deadline:
                     break
+            drain(cfg.drain_grace_s)
         finally:
             shutdown()
     print("chunkserve stopped.", flush=True)
     return 0
+
+
+def drain(grace_s: float) -> None:
+    """Deletes the app while the proxies stay up: Serve routes nothing new to it, and each replica stops once
+    its running requests are done or ``grace_s`` has passed (its graceful_shutdown_timeout_s)."""
+    from ray import serve
+
+    from chunkserve.router.app import APP_NAME
+
+    t0 = time.monotonic()
+    print(f"draining: finishing the running requests (at most {grace_s:.0f} s; Ctrl-C again to stop now)",
+          flush=True)
+    try:
+        serve.delete(APP_NAME, _blocking=True)
+    except Exception as e:  # shutting down must go on
+        logger.warning("drain: %s", e)
+    print(f"drained in {time.monotonic() - t0:.1f} s", flush=True)
 
 
 def shutdown() -> None:

@@ -28,7 +28,7 @@ from chunkserve.router.engine_client import HandleEngineClient
 from chunkserve.router.ingress import Ingress, IngressConfig
 from chunkserve.router.tenants import load_tenants
 
-GRPC_SERVICER = "chunkserve.v1.generate_pb2_grpc.add_ChunkServeServicer_to_server"
+GRPC_SERVICER = "chunkserve.router.grpc_service.add_servicer_raw"  # raw bytes: size checked before parsing
 APP_NAME = "chunkserve"
 
 
@@ -48,7 +48,12 @@ class AppConfig(BaseModel):
     worker_resources: dict[str, float] | None = None
     # Import path of the workers' RequestRouter; None: Ray Serve's default (power of two choices).
     request_router: str | None = "chunkserve.router.request_router.PrefixAwareRouter"
-    ingress_replicas: int = Field(1, ge=1)
+    # Two ingress replicas: while one restarts, the proxies send new requests to the other.
+    ingress_replicas: int = Field(2, ge=1)
+    # Drain: a replica being stopped (shutdown, `serve deploy` replacing it) takes no new requests and lets
+    # its running ones finish for up to this long (Serve's graceful_shutdown_timeout_s, ingress and workers).
+    drain_grace_s: float = Field(30.0, ge=0.0)
+    max_failovers: int = Field(2, ge=0)  # resends of a request whose worker died (see router/ingress.py)
     redis_url: str | None = None  # default: $CHUNKSERVE_REDIS_URL
     lease_ttl_s: float = 5.0
     namespace: str = "chunkserve"  # Redis key namespace of the prefix index and worker stats
@@ -149,7 +154,7 @@ class ServeIngress(Ingress):
         engine_max = cfg.engine.get("max_model_len")
         chunk = int(cfg.engine.get("chunk_size", 64))
         icfg = IngressConfig(model_name=cfg.model_name, max_model_len=min(max_len, engine_max or max_len),
-                             chunk_size=chunk, vocab_size=vocab)
+                             chunk_size=chunk, vocab_size=vocab, max_failovers=cfg.max_failovers)
         url = cfg.resolved_redis_url()
         tenants = load_tenants(cfg.tenants)
         stats = limiter = None
@@ -186,11 +191,13 @@ def build_app(cfg: AppConfig) -> Any:
     worker_cls = build_worker_deployment(num_replicas=cfg.workers, ray_actor_options=actor_opts,
                                          router_kwargs=router_kwargs, autoscaling_config=cfg.autoscaling,
                                          max_ongoing_requests=cfg.max_ongoing_requests,
-                                         request_router_class=cfg.request_router)
+                                         request_router_class=cfg.request_router,
+                                         graceful_shutdown_timeout_s=cfg.drain_grace_s)
     batching = {"interval_s": cfg.stream_interval_ms / 1000.0, "max_tokens": cfg.stream_max_tokens}
     worker = worker_cls.bind(engine, redis_url, cfg.lease_ttl_s, cfg.namespace, batching, cfg.thread_rule())
     ingress_cls = serve.deployment(name="Ingress", num_replicas=cfg.ingress_replicas, max_ongoing_requests=2048,
-                                   ray_actor_options={"num_cpus": 0})(serve.ingress()(ServeIngress))
+                                   ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=cfg.drain_grace_s,
+                                   graceful_shutdown_wait_loop_s=0.5)(serve.ingress()(ServeIngress))
     return ingress_cls.bind(worker, cfg.model_dump_json())
 
 

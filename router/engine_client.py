@@ -63,8 +63,8 @@ class HandleEngineClient:
     Calls ``handle.options(stream=True).<method>.remote(request, chunk_hashes=...)`` so a prefix-aware
     request router can read the hashes from the kwargs; an early exit cancels the call, which closes
     the worker's generator and frees the request's KV chunks. Each stream item is one (coalesced) delta.
-    The worker's own exception is re-raised (a typed `EngineError`); a worker that died or that Serve
-    cannot reach becomes `EngineDeadError`."""
+    Failures are classified by `classify_remote_error`: the worker's own typed `EngineError` is re-raised,
+    a worker that died or that Serve cannot reach becomes `EngineDeadError` (retryable elsewhere)."""
 
     def __init__(self, handle: Any, method: str = "generate") -> None:
         self._handle = handle.options(stream=True)
@@ -79,15 +79,32 @@ class HandleEngineClient:
                     finished = True
                 yield delta
         except Exception as e:
-            cause = getattr(e, "cause", None)  # a RayTaskError carries the worker's own exception
-            if isinstance(cause, Exception):
-                raise cause from None
-            if _worker_unavailable(e):
-                raise EngineDeadError(f"no worker could serve the request: {type(e).__name__}: {e}") from None
-            raise
+            raise classify_remote_error(e) from None
         finally:
             if not finished:
                 gen.cancel()
+
+
+def classify_remote_error(e: Exception) -> Exception:
+    """What a failure of a call to a worker replica means to the ingress.
+
+    The worker's own typed `EngineError` (carried as a RayTaskError's cause) comes back as itself; a worker
+    that died, is unreachable or could not be reached (an actor or node death, a lost object, back
+    pressure, no replica; also when Ray wraps one of those in a RayTaskError) becomes `EngineDeadError`,
+    which the ingress may retry on another worker; any other error of the worker becomes `EngineStepError`
+    (a clean 500 with the error's type only). Errors that are not Ray's pass through unchanged."""
+    chain: list[BaseException] = [e]  # e, its cause, the cause's cause... (RayTaskError(ActorDiedError))
+    while isinstance(getattr(chain[-1], "cause", None), BaseException) and len(chain) < 8:
+        chain.append(chain[-1].cause)  # type: ignore[attr-defined]
+    for err in reversed(chain):  # the innermost first: the worker's own exception
+        if isinstance(err, EngineError) and not _is_ray_error(err):
+            return err
+        if _worker_unavailable(err):
+            return EngineDeadError(f"the worker is unavailable ({type(err).__name__})")
+    err = chain[-1]
+    if _is_ray_error(e):
+        return EngineStepError(f"the worker failed ({type(err).__name__})")
+    return e
 
 
 # Engine error type -> (HTTP status, OpenAI error type, error code); the first matching row wins.
@@ -111,15 +128,20 @@ def engine_error_to_api(e: EngineError) -> APIError:
     raise TypeError(f"not an engine error: {e!r}")  # unreachable: EngineError is the last row
 
 
+def _is_ray_error(e: BaseException) -> bool:
+    return (type(e).__module__ or "").startswith("ray.")
+
+
 def _worker_unavailable(e: BaseException) -> bool:
     """Whether a Ray/Serve error means the worker is gone or unreachable (Ray is loaded when it raised one)."""
-    module = type(e).__module__ or ""
-    if not module.startswith("ray."):
+    if not _is_ray_error(e):
         return False
-    from ray.exceptions import RayActorError
+    from ray import exceptions as rx
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-    return isinstance(e, RayActorError | BackPressureError | DeploymentUnavailableError)
+    gone = (rx.RayActorError, rx.WorkerCrashedError, rx.NodeDiedError, rx.LocalRayletDiedError, rx.ObjectLostError,
+            rx.RaySystemError, BackPressureError, DeploymentUnavailableError)
+    return isinstance(e, gone)
 
 
 async def next_delta(agen: AsyncIterator[GenerateDelta]) -> GenerateDelta | None:

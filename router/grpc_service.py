@@ -5,15 +5,23 @@ on the ingress deployment (``grpc_context`` is a ``RayServegRPCContext``). Error
 details on the context (and ``retry-after`` trailing metadata for RESOURCE_EXHAUSTED); ``Generate`` then
 returns an empty message, ``GenerateStream`` raises ``GrpcStatusError`` (Ray's proxy applies a streaming
 call's status only from an exception). ``add_to_grpc_server`` serves the same methods from a plain ``grpc.aio`` server (tests, no Ray).
+
+Requests arrive as raw bytes (``add_servicer_raw``, the ``grpc_servicer_functions`` entry of the app, registers
+the methods with no request deserializer), so the ingress refuses a message over ``max_body_bytes`` before
+parsing or tokenising it (INVALID_ARGUMENT, as HTTP's 413), and a message that does not parse gets
+INVALID_ARGUMENT with a plain description (never a Python class name). A failure that is not the
+client's fault is INTERNAL ("internal error"), UNAVAILABLE (no worker) with ``retry-after``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
 from chunkserve.router.openai_api import (
@@ -27,6 +35,10 @@ from chunkserve.v1 import generate_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from chunkserve.router.ingress import Ingress
+
+logger = logging.getLogger(__name__)
+SERVICE = "chunkserve.v1.ChunkServe"
+SERVICER_FUNCTION = "chunkserve.router.grpc_service.add_servicer_raw"  # for Ray Serve's grpc_options
 
 _GRPC_CODES: dict[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -70,6 +82,27 @@ def _set_error(context: Any, e: APIError) -> GrpcStatusError:
     return GrpcStatusError(code, details, trailing)
 
 
+def parse_message(msg: bytes | pb.GenerateRequest, limit: int) -> pb.GenerateRequest:
+    """The request message from raw bytes (or an already parsed one), refused before parsing when it is
+    over ``limit`` bytes (APIError 413) and with a plain 400 when it is not a GenerateRequest."""
+    if isinstance(msg, bytes | bytearray | memoryview):
+        size = len(msg)
+        if size > limit:
+            raise APIError(413, f"request message of {size} bytes exceeds the limit of {limit}",
+                           code="request_too_large")
+        try:
+            return pb.GenerateRequest.FromString(bytes(msg))
+        except (DecodeError, ValueError):
+            raise APIError(400, "the request is not a valid chunkserve.v1.GenerateRequest message",
+                           code="invalid_message") from None
+    if not isinstance(msg, pb.GenerateRequest):
+        raise APIError(400, "the request is not a chunkserve.v1.GenerateRequest message", code="invalid_message")
+    if msg.ByteSize() > limit:
+        raise APIError(413, f"request message of {msg.ByteSize()} bytes exceeds the limit of {limit}",
+                       code="request_too_large")
+    return msg
+
+
 def to_openai_request(ingress: Ingress, msg: pb.GenerateRequest, stream: bool
                       ) -> CompletionRequest | ChatCompletionRequest:
     """The proto request as a validated OpenAI request (raises APIError 400 for bad input)."""
@@ -111,30 +144,37 @@ def _usage(d: Any) -> pb.Usage:
 class GrpcServiceMixin:
     """``Generate`` and ``GenerateStream`` for an ``Ingress`` (mixed into it)."""
 
-    async def _grpc_prepare(self: Any, request: pb.GenerateRequest, grpc_context: Any, stream: bool) -> Any:
+    async def _grpc_prepare(self: Any, raw: bytes | pb.GenerateRequest, grpc_context: Any, stream: bool
+                            ) -> tuple[pb.GenerateRequest, Any]:
         tenant = self.authenticate_metadata(grpc_context.invocation_metadata())
+        request = parse_message(raw, self.config.max_body_bytes)
         req = to_openai_request(self, request, stream)
-        return await self.prepare(tenant, req, self.new_request_id("grpc"))
+        return request, await self.prepare(tenant, req, self.new_request_id("grpc"))
 
-    async def Generate(self: Any, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
+    async def Generate(self: Any, request: bytes | pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
         """Unary generate: the whole completion and its usage."""
         try:
-            prep = await self._grpc_prepare(request, grpc_context, stream=False)
+            request, prep = await self._grpc_prepare(request, grpc_context, stream=False)
             text, tokens, last = await self.collect(prep)
         except APIError as e:
             self.metrics.error(e.status)
             _set_error(grpc_context, e)
             return pb.GenerateResponse()
+        except Exception:
+            logger.exception("gRPC Generate failed")
+            self.metrics.error(500)
+            _set_error(grpc_context, APIError(500, "internal error", "server_error"))
+            return pb.GenerateResponse()
         return pb.GenerateResponse(request_id=request.request_id or prep.request.request_id, model=prep.model,
                                    text=text, token_ids=tokens, finish_reason=last.finish_reason or "",
                                    usage=_usage(last))
 
-    async def GenerateStream(self: Any, request: pb.GenerateRequest, grpc_context: Any
+    async def GenerateStream(self: Any, request: bytes | pb.GenerateRequest, grpc_context: Any
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         """Server-streaming generate: text/token deltas; the last message has finish_reason and usage.
         Cancelling the call closes this generator, which aborts the request and frees its KV chunks."""
         try:
-            prep = await self._grpc_prepare(request, grpc_context, stream=True)
+            request, prep = await self._grpc_prepare(request, grpc_context, stream=True)
         except APIError as e:
             self.metrics.error(e.status)
             raise _set_error(grpc_context, e) from None
@@ -152,8 +192,12 @@ class GrpcServiceMixin:
         except APIError as e:
             self.metrics.error(e.status)
             raise _set_error(grpc_context, e) from None
+        except Exception:
+            logger.exception("gRPC GenerateStream failed")
+            self.metrics.error(500)
+            raise _set_error(grpc_context, APIError(500, "internal error", "server_error")) from None
         if last is None or last.finish_reason in (None, "abort"):
-            e = APIError(503, "the engine ended the request before it finished", "server_error")
+            e = self.unavailable("the engine ended the request before it finished", code="engine_aborted")
             raise _set_error(grpc_context, e)
 
 
@@ -163,10 +207,10 @@ class _AioServicer(pb_grpc.ChunkServeServicer):
     def __init__(self, ingress: Ingress) -> None:
         self._ingress = ingress
 
-    async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
+    async def Generate(self, request: bytes, context: Any) -> pb.GenerateResponse:
         return await self._ingress.Generate(request, context)
 
-    async def GenerateStream(self, request: pb.GenerateRequest, context: Any
+    async def GenerateStream(self, request: bytes, context: Any
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
             async with aclosing(self._ingress.GenerateStream(request, context)) as gen:
@@ -176,6 +220,23 @@ class _AioServicer(pb_grpc.ChunkServeServicer):
             await context.abort(e.code, e.details, tuple(e.trailing))
 
 
+def add_servicer_raw(servicer: Any, server: Any) -> None:
+    """Registers ``chunkserve.v1.ChunkServe`` on ``server`` with raw-bytes requests (no deserializer): the
+    ``grpc_servicer_functions`` entry for Ray Serve's gRPC proxy, which hands the bytes to the ingress."""
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate, request_deserializer=None,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream, request_deserializer=None,
+            response_serializer=pb.GenerateStreamResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    register = getattr(server, "add_registered_method_handlers", None)
+    if register is not None:
+        register(SERVICE, handlers)
+
+
 def add_to_grpc_server(ingress: Ingress, server: grpc.aio.Server) -> None:
     """Serves the ingress's gRPC methods from a ``grpc.aio`` server (outside Ray Serve)."""
-    pb_grpc.add_ChunkServeServicer_to_server(_AioServicer(ingress), server)
+    add_servicer_raw(_AioServicer(ingress), server)

@@ -110,7 +110,11 @@ def create_app(ingress: Ingress) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if not ingress.tenants.is_admin(request.headers.get("authorization")):
+            raise APIError(403, "/metrics needs an admin key in tenant mode (admin_api_key_sha256 in the "
+                                "tenants file): send 'Authorization: Bearer <admin key>'",
+                           type="permission_error", code="admin_key_required")
         await ingress.refresh_metrics()
         return Response(ingress.metrics.render(), media_type=ingress.metrics.content_type)
 
@@ -217,7 +221,7 @@ async def _start_stream(ingress: Ingress, prep: Prepared, events: AsyncIterator[
 
 async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[bytes]:
     """The SSE events of one request. An error before the first event is raised (a proper status code);
-    after it, the stream carries an error event and ends with [DONE]."""
+    after it, the stream carries an error event and ends with [DONE] (never a cut stream)."""
     rid, model, created = prep.request.request_id, prep.model, prep.created
     last = None
     sent = False
@@ -242,9 +246,15 @@ async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[
         yield sse("[DONE]")
         return
     if last is None or last.finish_reason in (None, "abort"):
-        err = APIError(503, "the engine ended the request before it finished", "server_error",
-                       code="engine_aborted")
+        err = ingress.unavailable("the engine ended the request before it finished", code="engine_aborted")
         if not sent:
+    except Exception:  # a bug, not the client's input: still a clean end of the stream
+        if not sent:
+            raise
+        logger.exception("stream %s failed", rid)
+        yield sse(error_body("internal server error", "server_error"))
+        yield sse("[DONE]")
+        return
             raise err
         yield sse(err.body())
     elif prep.include_usage:

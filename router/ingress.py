@@ -24,6 +24,7 @@ Never give the subclass an attribute named ``app`` or a ``__call__`` (Ray's ASGI
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -36,13 +37,13 @@ from typing import Any
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.stats import ClusterStatsReader, snapshot_of
-from chunkserve.router.engine_client import EngineClient, HandleEngineClient, next_delta
+from chunkserve.router.engine_client import EngineClient, HandleEngineClient, engine_error_to_api
 from chunkserve.router.grpc_service import GrpcServiceMixin
 from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
 from chunkserve.router.ratelimit import Admission, AdmissionLease, RateLimited, RateLimiter
 from chunkserve.router.server_metrics import ServerMetrics
 from chunkserve.router.tenants import AuthError, Tenant, TenantRegistry
-from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
+from chunkserve.workers.protocol import EngineDeadError, EngineError, GenerateDelta, GenerateRequest
 from chunkserve.workers.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,11 +63,18 @@ class IngressConfig:
     max_body_bytes: int = 4 << 20
     vocab_size: int | None = None  # token-id bound for raw token prompts (default: len(tokenizer))
     max_hashed_chunks: int | None = DEFAULT_MAX_DEPTH  # leading chunks hashed (what the router looks up)
+    # Failover: a request whose worker dies is sent again (prompt + the tokens already sent) up to this
+    # many times, after a pause of failover_backoff_s * attempt; then 503 with Retry-After.
+    max_failovers: int = 2
+    failover_backoff_s: float = 0.2
+    retry_after_s: int = 2  # the Retry-After of a 503 (no worker, or this ingress draining)
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "chunk_size", "default_max_tokens", "max_body_bytes"):
+        for name in ("max_model_len", "chunk_size", "default_max_tokens", "max_body_bytes", "retry_after_s"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_failovers < 0 or self.failover_backoff_s < 0:
+            raise ValueError("max_failovers and failover_backoff_s must be >= 0")
 
 
 @dataclass
@@ -81,6 +89,21 @@ class Prepared:
     created: int
     t0: float
     include_usage: bool = False
+
+
+def resume_request(req: GenerateRequest, sent: Sequence[int], attempt: int) -> GenerateRequest:
+    """The request that continues ``req`` on another worker after ``sent`` tokens reached the client: the
+    prompt plus those tokens, the remaining budget, and a seeded sampler advanced past the draws made."""
+    s = req.sampling
+    sampling = dataclasses.replace(s, max_tokens=s.max_tokens - len(sent), seed_offset=s.seed_offset + len(sent))
+    return dataclasses.replace(req, request_id=f"{req.request_id}-f{attempt}",
+                               prompt_token_ids=tuple(req.prompt_token_ids) + tuple(sent), sampling=sampling)
+
+
+def _rebased(d: GenerateDelta, n_prompt: int, n_sent: int, n_cached: int) -> GenerateDelta:
+    """A delta of a resumed request, counted as the original request (its prompt, all its output)."""
+    return dataclasses.replace(d, num_prompt_tokens=n_prompt, num_cached_tokens=n_cached,
+                               num_output_tokens=d.num_output_tokens + n_sent, first_token_time=None)
 
 
 def _rate_limited(e: RateLimited) -> APIError:
@@ -107,6 +130,8 @@ class Ingress(GrpcServiceMixin):
         self.created = int(time.time())
         self._vocab = config.vocab_size or len(tokenizer)
         self._app: Any = None
+        self._inflight = 0  # streams running through this ingress
+        self.draining = False  # set by drain(): new requests get 503 + Retry-After
         if cluster_stats is None and isinstance(engine, HandleEngineClient) and os.environ.get(REDIS_URL_ENV):
             cluster_stats = ClusterStatsReader(os.environ[REDIS_URL_ENV])
         self.cluster_stats = cluster_stats
@@ -206,6 +231,8 @@ class Ingress(GrpcServiceMixin):
                       request_id: str) -> Prepared:
         """Every check before the engine runs; raises APIError (4xx). Holds a lease on success."""
         t0 = time.monotonic()
+        if self.draining:
+            raise self.unavailable("this server is shutting down; retry on another replica")
         self.check_model(req.model)
         try:
             lease = await self.limiter.admit(tenant.id)
@@ -227,36 +254,66 @@ class Ingress(GrpcServiceMixin):
                         created=int(time.time()), t0=t0, include_usage=req.include_usage)
 
     # ---- running ---------------------------------------------------------------------------------------
+    def unavailable(self, message: str, code: str = "engine_unavailable") -> APIError:
+        """503 with Retry-After: no worker can take the request now (or this ingress is draining)."""
+        return APIError(503, message, type="server_error", code=code,
+                        headers={"Retry-After": str(self.config.retry_after_s)})
+
     async def stream(self, prep: Prepared) -> AsyncIterator[GenerateDelta]:
         """The engine's deltas for a prepared request. Closing this iterator early aborts the request;
         the lease is released and the metrics recorded whatever happens (finished_reason "stop",
-        "length", "abort" or "error"). Engine errors become APIError."""
+        "length", "abort" or "error"). Engine errors become APIError.
+
+        Failover: when the worker dies (`EngineDeadError`) the request goes to another worker, before its
+        first token as it was, mid-stream as `resume_request` (prompt + the tokens already yielded), at most
+        ``config.max_failovers`` times; the caller sees one unbroken stream, or a 503 with Retry-After."""
         tenant = prep.tenant.id
         n_prompt = len(prep.request.prompt_token_ids)
         self.metrics.request_waiting(tenant)
-        started, out, reason, t_first = False, 0, "abort", prep.t0
+        started, reason, t_first = False, "abort", prep.t0
+        sent: list[int] = []  # tokens yielded so far (over all attempts)
+        n_cached, attempt = 0, 0
+        self._inflight += 1
         try:
-            async with aclosing(self.engine.generate(prep.request, prep.chunk_hashes)) as agen:
-                while True:
-                    d = await next_delta(agen)
-                    if d is None:
-                        break
-                    if not started and (d.token_ids or d.finish_reason is not None):
-                        started, t_first = True, time.monotonic()
-                        self.metrics.first_token(tenant, t_first - prep.t0, n_prompt, d.num_cached_tokens)
-                    out = d.num_output_tokens
-                    if d.finish_reason is not None:
-                        reason = d.finish_reason
-                    yield d
-                    if d.finish_reason is not None:
-                        break
+            while True:
+                req = prep.request if attempt == 0 else resume_request(prep.request, sent, attempt)
+                base = len(sent)
+                try:
+                    async with aclosing(self.engine.generate(req, prep.chunk_hashes)) as agen:
+                        async for d in agen:
+                            if attempt:
+                                d = _rebased(d, n_prompt, base, n_cached)
+                            if not started and (d.token_ids or d.finish_reason is not None):
+                                started, t_first = True, time.monotonic()
+                                n_cached = d.num_cached_tokens
+                                self.metrics.first_token(tenant, t_first - prep.t0, n_prompt, n_cached)
+                            sent.extend(d.token_ids)
+                            if d.finish_reason is not None:
+                                reason = d.finish_reason
+                            yield d
+                            if d.finish_reason is not None:
+                                return
+                    return  # the engine ended the stream without a finish reason (the caller reports it)
+                except EngineDeadError as e:
+                    if attempt >= self.config.max_failovers:
+                        raise self.unavailable(f"no worker could finish the request after {attempt} "
+                                               f"failover(s): {e}") from None
+                    attempt += 1
+                    phase = "mid_stream" if sent else "before_first_token"
+                    self.metrics.failover(tenant, phase)
+                    logger.warning("request %s: worker lost (%s), failover %d %s after %d tokens",
+                                   prep.request.request_id, e, attempt, phase, len(sent))
+                    await asyncio.sleep(self.config.failover_backoff_s * attempt)
+                except EngineError as e:
+                    raise engine_error_to_api(e) from None
         except Exception:
             reason = "error"  # the engine rejected or failed it (client disconnects stay "abort")
             raise
         finally:
-            await prep.lease.finish(n_prompt + out)
+            self._inflight -= 1
+            await prep.lease.finish(n_prompt + len(sent))
             now = time.monotonic()
-            self.metrics.request_done(tenant, started, now - prep.t0, now - t_first, out, reason)
+            self.metrics.request_done(tenant, started, now - prep.t0, now - t_first, len(sent), reason)
 
     async def collect(self, prep: Prepared) -> tuple[str, list[int], GenerateDelta]:
         """Runs a prepared request to the end: (text, token ids, last delta)."""
@@ -269,8 +326,7 @@ class Ingress(GrpcServiceMixin):
                 tokens.extend(d.token_ids)
                 last = d
         if last is None or last.finish_reason is None or last.finish_reason == "abort":
-            raise APIError(503, "the engine ended the request before it finished", type="server_error",
-                           code="engine_aborted")
+            raise self.unavailable("the engine ended the request before it finished", code="engine_aborted")
         return "".join(texts), tokens, last
 
     async def engine_stats(self) -> dict | None:
@@ -307,6 +363,18 @@ class Ingress(GrpcServiceMixin):
         stats = await self.engine_stats()
         if stats is not None:
             self.metrics.set_cluster([snapshot_of(stats, "local")])
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop taking new requests and wait up to ``grace_s`` for the running ones. -> those still running."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self._inflight
 
     @staticmethod
     def new_request_id(prefix: str) -> str:

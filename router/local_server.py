@@ -111,7 +111,9 @@ class LocalServer:
         self._uvicorn = uvicorn.Server(config)
         grpc_server = None
         if self._grpc_port is not None:
-            grpc_server = grpc.aio.server()
+            # as Ray's proxy, gRPC takes large messages and the ingress refuses those over max_body_bytes
+            limit = max(64 << 20, 4 * self.ingress.config.max_body_bytes)
+            grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
             add_to_grpc_server(self.ingress, grpc_server)
             self.grpc_port = grpc_server.add_insecure_port(f"{self.host}:{self._grpc_port}")
             await grpc_server.start()

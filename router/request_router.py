@@ -51,6 +51,13 @@ def extract_chain(pending_request: PendingRequest | None, max_chunks: int) -> li
     return [int(h) for h in chain[:max_chunks]]
 
 
+def _stat(r: RunningReplica, name: str) -> int:
+    """A non-negative integer from the replica's latest routing stats (0 when absent or malformed)."""
+    stats = getattr(r, "routing_stats", None)
+    v = stats.get(name) if isinstance(stats, dict) else None
+    return int(v) if isinstance(v, Integral) and v > 0 else 0
+
+
 class PrefixAwareRouter(RequestRouter):
     """Longest cached prefix traded against load, with spill, rendezvous for cold prefixes and Redis fallback.
 
@@ -96,9 +103,13 @@ class PrefixAwareRouter(RequestRouter):
         return dict(self._metrics.counts)
 
     def _load(self, r: RunningReplica) -> ReplicaLoad:
+        """Ongoing requests (ours and Serve's count) plus the engine's waiting queue once more: a request that
+        waits for KV room is a sign of a full worker, so queues do not pile up on one replica under KV
+        pressure (``record_routing_stats`` reports ``num_waiting`` about once a second)."""
         wid = r.replica_id.unique_id
         cached = self.replica_queue_len_cache.get(r.replica_id)
-        return ReplicaLoad(wid, max(self._local_load[wid], cached or 0), r.max_ongoing_requests)
+        waiting = _stat(r, "num_waiting")
+        return ReplicaLoad(wid, max(self._local_load[wid], cached or 0) + waiting, r.max_ongoing_requests)
 
     def _reserve(self, req_id: str, wid: str) -> None:
         self._release(req_id)

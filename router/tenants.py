@@ -113,6 +113,18 @@ class TenantsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tenants: tuple[TenantConfig, ...] = Field(min_length=1)
+    # Keys (sha256 digests) that may read /metrics in tenant mode; none: /metrics is refused (403).
+    admin_api_key_sha256: tuple[str, ...] = ()
+
+    @field_validator("admin_api_key_sha256", mode="before")
+    @classmethod
+    def _admin_one_or_many(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v
+
+    @field_validator("admin_api_key_sha256")
+    @classmethod
+    def _admin_hashes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return TenantConfig._check_hashes(v)
 
     @model_validator(mode="after")
     def _unique(self) -> TenantsConfig:
@@ -170,6 +182,7 @@ class TenantRegistry:
         else:
             self._tenants = {t.id: Tenant.from_config(t) for t in config.tenants}
             self._keys = tuple((bytes.fromhex(h), t.id) for t in config.tenants for h in t.api_key_sha256)
+        self._admin = tuple(bytes.fromhex(h) for h in config.admin_api_key_sha256) if config else ()
 
     @property
     def tenants(self) -> Mapping[str, Tenant]:
@@ -189,6 +202,16 @@ class TenantRegistry:
         if found is None:
             raise AuthError("invalid API key")
         return self._tenants[found]
+
+    def is_admin(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` value carries an admin key (always True in open mode)."""
+        if self.open_mode:
+            return True
+        key = bearer_key(authorization)
+        if not key or not self._admin:
+            return False
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        return any([hmac.compare_digest(stored, digest) for stored in self._admin])  # no short circuit
 
     def authenticate_header(self, authorization: str | None) -> Tenant:
         """Authenticates an ``Authorization: Bearer <key>`` header value (HTTP, or gRPC metadata)."""

@@ -162,6 +162,8 @@ class Sampler:
                 g = self._gens.get(rid)
                 if g is None:
                     g = self._gens[rid] = torch.Generator(device=device).manual_seed(params[rows[j]].seed)
+                    for _ in range(params[rows[j]].seed_offset):  # a resumed stream: skip the draws made
+                        torch.rand(1, generator=g, device=device)
                 draws.append(torch.rand(1, generator=g, device=device))
             u[torch.tensor(seeded, device=device)] = torch.cat(draws)
         return u

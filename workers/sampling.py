@@ -18,6 +18,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # Draws of the seeded generator already used: a stream resumed after a failover (prompt + the tokens
+    # already sent) continues the seeded sequence instead of restarting it.
+    seed_offset: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -34,6 +37,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.seed_offset, int) or self.seed_offset < 0:
+            raise ValueError(f"seed_offset must be an integer >= 0, got {self.seed_offset!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

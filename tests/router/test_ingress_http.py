@@ -33,7 +33,7 @@ def _tenants() -> TenantRegistry:
         t("limited", rate_limit={"requests_per_second": 0.05, "burst_requests": 1}),
         t("narrow", max_concurrent_requests=1),
         t("tpm", rate_limit={"tokens_per_minute": 120}),
-    ]}))
+    ], "admin_api_key_sha256": hash_api_key("key-admin")}))
 
 
 @pytest.fixture(scope="module")
@@ -309,10 +309,13 @@ def test_client_that_gives_up_on_a_non_streaming_request_aborts_it(server):
     assert aborted._value.get() == before + 1
 
 
-def test_metrics_endpoint_exposes_prefix_cache_and_latency_metrics(server):
+def test_metrics_endpoint_needs_the_admin_key_in_tenant_mode_and_exposes_cache_and_latency_metrics(server):
     chat(server, "delta", "metrics please")
     chat(server, "delta", "metrics please")
-    text = httpx2.get(server.http_url + "/metrics", timeout=10).text
+    for auth in ({}, {"Authorization": "Bearer key-delta"}):  # no key, or a tenant's key: refused
+        r = httpx2.get(server.http_url + "/metrics", headers=auth, timeout=10)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+    text = httpx2.get(server.http_url + "/metrics", headers={"Authorization": "Bearer key-admin"}, timeout=10).text
     for name in ("chunkserve:prefix_cache_queries_total", "chunkserve:prefix_cache_hits_total",
                  "chunkserve:num_requests_running", "chunkserve:num_requests_waiting",
                  "chunkserve:time_to_first_token_seconds_count", "chunkserve:time_per_output_token_seconds",
