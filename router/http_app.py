@@ -105,6 +105,10 @@ def create_app(ingress: Ingress) -> FastAPI:
         ingress.metrics.error(500)
         return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
 
+    from chunkserve.router.dashboard import dashboard_router
+
+    app.include_router(dashboard_router(ingress))  # /dashboard and /dashboard/api/state
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
