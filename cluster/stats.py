@@ -10,7 +10,8 @@ Key schema (same namespace and hash-tag rules as ``cluster/index.py``; see docs/
 * ``{ns:w:<worker>}:stats``  string, JSON object of numbers (``STATS_FIELDS`` + ``worker_id``, ``ts_ms``),
   ``PX`` TTL ``ttl_s`` (default 5 s). Shares the worker's hash tag, so it lives in the lease's slot.
   It also carries ``routing``: the worker's routing-prediction tallies per decision reason
-  (`workers/worker_metrics.RoutingAccuracy.snapshot`).
+  (`workers/worker_metrics.RoutingAccuracy.snapshot`), and ``tenants``: per tenant, the requests it ran and
+  their cached / prefilled / decoded tokens (`TenantTokens`).
 * ``{ns:w:<worker>}:forest``  string, JSON of the worker's bounded prefix-forest summary
   (`workers/tree_summary.summarize_forest`: run sizes, scopes, refcounts, tenants; never tokens or text),
   written every few seconds with the same TTL, read by the ingress's dashboard.
@@ -67,8 +68,9 @@ def snapshot_of(stats: Mapping[str, Any], worker_id: str) -> dict[str, Any]:
         v = stats.get(f)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             snap[f] = v
-    if isinstance(stats.get("routing"), Mapping):
-        snap["routing"] = dict(stats["routing"])
+    for f in ("routing", "tenants"):  # per-reason and per-tenant tallies (workers/worker_metrics.py)
+        if isinstance(stats.get(f), Mapping):
+            snap[f] = dict(stats[f])
     return snap
 
 

@@ -9,7 +9,8 @@ scopes, tenant ids, sizes and counts; never token ids or prompt text (the worker
 Sources: behind Ray the workers' stats snapshots and forest summaries from Redis (`cluster/stats.py`, one
 registry read and one pipelined GET each, cached by the reader); with an in-process engine its own stats
 and summary (worker ``local``). The cluster hit rate over time is sampled here, at most once a second per
-ingress replica, into a bounded history; per-tenant tokens are this ingress replica's own counts.
+ingress replica, into a bounded history (the page merges the histories of the replicas it reaches);
+per-tenant tokens are summed over the workers' snapshots (in-process: the ingress's own counts).
 """
 
 from __future__ import annotations
@@ -127,6 +128,25 @@ async def _sources(ingress: Ingress) -> tuple[list[dict[str, Any]] | None, dict[
     return [{**stats, "worker_id": "local"}], ({"local": forest} if forest else {})
 
 
+def _tenant_tokens(ingress: Ingress, snaps: list[dict[str, Any]] | None) -> dict[str, dict[str, int]]:
+    """Per tenant: requests, cached, prefilled and decoded tokens, summed over the workers' snapshots (behind
+    Ray), else this ingress's own counts (an in-process engine)."""
+    keys = ("requests", "cached", "prefilled", "decoded")
+    out: dict[str, dict[str, int]] = {}
+    if ingress.cluster_stats is not None:
+        for s in snaps or []:
+            for t, v in (s.get("tenants") or {}).items():
+                if isinstance(v, dict):
+                    a = out.setdefault(str(t), dict.fromkeys(keys, 0))
+                    for k in keys:
+                        a[k] += v.get(k, 0) if isinstance(v.get(k), int) else 0
+        return out
+    for t, v in ingress.metrics.tenant_tokens.items():
+        out[t] = {"requests": v["requests"], "cached": v["cached"],
+                  "prefilled": max(0, v["prompt"] - v["cached"]), "decoded": v["generated"]}
+    return out
+
+
 async def dashboard_state(ingress: Ingress, state: DashboardState) -> dict[str, Any]:
     """The JSON the page draws."""
     snaps, forests = await _sources(ingress)
@@ -144,9 +164,7 @@ async def dashboard_state(ingress: Ingress, state: DashboardState) -> dict[str, 
         workers.append(w)
     routing = {r: {k: a[k] for k in ("requests", "correct", "accuracy", "predicted_sum", "reused_sum")}
                for r, a in aggregate_routing(live).items()}
-    tenants = [{"tenant": t, "cached": v["cached"], "prefilled": max(0, v["prompt"] - v["cached"]),
-                "decoded": v["generated"], "requests": v["requests"]}
-               for t, v in sorted(ingress.metrics.tenant_tokens.items())]
+    tenants = [{"tenant": t, **v} for t, v in sorted(_tenant_tokens(ingress, snaps).items())]
     return {"model": ingress.config.model_name, "ts": time.time(), "refresh_s": REFRESH_S,
             "cluster_stats_up": snaps is not None, "workers": workers,
             "hit_rate": {"points": state.points(), "cumulative": hits / queries if queries else None},

@@ -27,7 +27,7 @@ from chunkserve.workers.cpu_budget import rule_threads
 from chunkserve.workers.engine import EngineConfig
 from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
 from chunkserve.workers.streaming import StreamBatching
-from chunkserve.workers.worker_metrics import RoutingAccuracy, WorkerMetrics
+from chunkserve.workers.worker_metrics import RoutingAccuracy, TenantTokens, WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class WorkerServer:
         self.engine = AsyncEngine(cfg)
         self.metrics = WorkerMetrics(worker_id, enable_ray=enable_ray_metrics)
         self.routing = RoutingAccuracy(worker_id, self.engine.core.cache.chunk_size)
+        self.tenant_tokens = TenantTokens()
         self.publisher = None
         self.stats_writer = None
         self._pub_task: asyncio.Task | None = None
@@ -100,7 +101,7 @@ class WorkerServer:
 
     async def report_stats(self) -> dict[str, Any]:
         """Record the engine's stats as metrics and (with Redis) write the snapshot. -> the stats."""
-        st = {**self.engine.stats(), "routing": self.routing.snapshot()}
+        st = {**self.engine.stats(), "routing": self.routing.snapshot(), "tenants": self.tenant_tokens.snapshot()}
         self.metrics.update(st)
         if self.stats_writer is not None:
             await asyncio.to_thread(self.stats_writer.write, st)
@@ -111,13 +112,19 @@ class WorkerServer:
         """Stream the request's deltas, coalesced (``chunk_hashes`` is read by the router, not needed here;
         ``routing``, the router's prediction, is scored against the reuse on the first delta)."""
         self.start_publishing()
-        pending = routing is not None
-        async with contextlib.aclosing(self.engine.generate(request, self.batching)) as gen:
-            async for delta in gen:
-                if pending:
-                    pending = False
-                    self.routing.record(request.request_id, routing, delta.num_cached_tokens)
-                yield delta
+        first, out = True, 0
+        try:
+            async with contextlib.aclosing(self.engine.generate(request, self.batching)) as gen:
+                async for delta in gen:
+                    if first:
+                        first = False
+                        self.tenant_tokens.started(request.tenant, delta.num_prompt_tokens, delta.num_cached_tokens)
+                        if routing is not None:
+                            self.routing.record(request.request_id, routing, delta.num_cached_tokens)
+                    out = delta.num_output_tokens
+                    yield delta
+        finally:
+            self.tenant_tokens.decoded(request.tenant, out)
 
     def routing_stats(self) -> dict[str, Any]:
         st = self.engine.stats()
@@ -188,9 +195,9 @@ def build_worker_deployment(name: str = "Worker", num_replicas: int | str = 1,
             async for delta in self.server.generate(request, chunk_hashes, routing):
                 yield delta
 
-        def routing_log(self) -> list[dict[str, Any]]:
-            """This replica's routing-prediction outcomes (bounded, oldest first)."""
-            return list(self.server.routing.log)
+        def routing_log(self) -> dict[str, Any]:
+            """This replica's routing-prediction outcomes (bounded, oldest first) under its worker id."""
+            return {"worker_id": self.server.worker_id, "records": list(self.server.routing.log)}
 
         async def forest_summary(self) -> dict[str, Any]:
             return await self.server.engine.forest_summary()

@@ -194,3 +194,29 @@ class RoutingAccuracy:
         """A JSON-able copy of the per-reason tallies."""
         return {r: {k: (list(v) if isinstance(v, list) else v) for k, v in t.items()}
                 for r, t in self.by_reason.items()}
+
+
+class TenantTokens:
+    """Per tenant, the requests this worker ran and their cached, prefilled and decoded tokens (the tenants
+    come from the tenants file, so the key set is bounded)."""
+
+    def __init__(self) -> None:
+        self.by_tenant: dict[str, dict[str, int]] = {}
+
+    def _t(self, tenant: str) -> dict[str, int]:
+        t = self.by_tenant.get(tenant)
+        if t is None:
+            t = self.by_tenant[tenant] = {"requests": 0, "cached": 0, "prefilled": 0, "decoded": 0}
+        return t
+
+    def started(self, tenant: str, prompt_tokens: int, cached_tokens: int) -> None:
+        t = self._t(tenant)
+        t["requests"] += 1
+        t["cached"] += cached_tokens
+        t["prefilled"] += max(0, prompt_tokens - cached_tokens)
+
+    def decoded(self, tenant: str, tokens: int) -> None:
+        self._t(tenant)["decoded"] += tokens
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {k: dict(v) for k, v in self.by_tenant.items()}

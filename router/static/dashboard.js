@@ -5,6 +5,7 @@
   const KEY = "chunkserve.dashboard.key";
   const $ = (id) => document.getElementById(id);
   let timer = null;
+  const history = new Map(); // t -> point, merged over the ingress replicas answering
 
   function el(tag, attrs, text) {
     const e = document.createElementNS(NS, tag);
@@ -98,7 +99,8 @@
       svg.appendChild(el("line", { x1: P, x2: W - 4, y1: yy, y2: yy, class: "grid" }));
       svg.appendChild(el("text", { x: 2, y: yy + 3, class: "axis" }, (y * 100).toFixed(0) + "%"));
     }
-    const pts = hr.points.filter((p) => p.cumulative !== null);
+    for (const p of hr.points) if (p.cumulative !== null) history.set(p.t, p);
+    const pts = [...history.values()].sort((a, b) => a.t - b.t).slice(-600);
     if (!pts.length) { $("hitrate-note").textContent = "no traffic yet"; return; }
     const t0 = pts[0].t, t1 = Math.max(pts[pts.length - 1].t, t0 + 1);
     const X = (t) => P + ((t - t0) / (t1 - t0)) * (W - P - 8);
