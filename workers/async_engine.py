@@ -166,7 +166,8 @@ class AsyncEngine:
                 try:
                     if not isinstance(req.sampling, SamplingParams):
                         raise InvalidSamplingError(f"sampling must be SamplingParams, got {type(req.sampling)}")
-                    core.add_request(req.request_id, list(req.prompt_token_ids), req.sampling, req.cache_salt)
+                    core.add_request(req.request_id, list(req.prompt_token_ids), req.sampling, req.cache_salt,
+                                     tenant=req.tenant, weight=req.weight, cache_pin=req.cache_pin)
                     self._tenants[req.request_id] = req.tenant
                 except EngineError as e:
                     failed.append((req.request_id, e))
@@ -232,7 +233,8 @@ class AsyncEngine:
                     request_id=req.request_id, token_ids=out.token_ids, text=out.text,
                     num_prompt_tokens=len(req.prompt), num_cached_tokens=max(req.num_cached, 0),
                     num_output_tokens=n_out, finish_reason=out.finish_reason, logprobs=out.logprobs,
-                    first_token_time=req.first_token_time if n_out == 1 else None, extra={"time": now})))
+                    first_token_time=req.first_token_time if n_out == 1 else None, extra={"time": now},
+                    num_cache_creation_tokens=req.cache_creation_tokens)))
             if deltas:
                 self._deliver(deltas)
             if now - self._stats_time > 0.1:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from chunkserve.workers.cache_control import PinSpec
 from chunkserve.workers.chunk_pool import KVCacheFull
 from chunkserve.workers.config import ModelConfig
 from chunkserve.workers.kvcache import PrefixKVCache
@@ -50,6 +51,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's setting
     prepack_weights: bool = True  # CPU: keep a oneDNN-blocked copy of the matmul weights (faster, 2x memory)
     quantization: str | None = None  # "int8": weight-only per-channel int8 linears of the layers (lm_head dense)
+    fair_share: bool = True  # VTC fair share across tenants (workers/fairness.py); False: first come, first served
+    max_pinned_fraction: float = 0.5  # cache_control pins may hold at most this share of the KV pool
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -85,7 +88,9 @@ class EngineCore:
                                    dtype, cfg.device, share_prefix=cfg.share_prefix)
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
         self.scheduler = Scheduler(self.cache, SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                                               self.max_model_len))
+                                                               fair_share=cfg.fair_share,
+                                                               max_pinned_fraction=cfg.max_pinned_fraction,
+                                                               max_model_len=self.max_model_len))
         self.runner = ModelRunner(self.model, self.cache, cfg.attention_backend, cfg.prefill_backend)
         self.sampler = Sampler(cfg.seed)
         self.eos_ids = set(mc.eos_token_ids)
@@ -97,7 +102,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    salt: bytes = b"") -> Request:
+                    salt: bytes = b"", tenant: str = "public", weight: float = 1.0,
+                    cache_pin: PinSpec | None = None) -> Request:
         """Queue a request; raises ValueError (for this request only) if it can never be served."""
         if request_id in self._requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
@@ -113,10 +119,11 @@ class EngineCore:
         usable = self.cache.pool.num_chunks - self.cache.num_pinned_chunks
         if -(-(len(ids) + 1) // c) > usable:
             raise KVPoolTooSmallError(f"prompt of {len(ids)} tokens does not fit the KV pool ({usable * c} tokens)")
-        req = Request(request_id, ids, params, salt, arrival=time.monotonic())
+        req = Request(request_id, ids, params, salt, arrival=time.monotonic(), tenant=tenant, weight=weight,
+                      pin=cache_pin)
+        self.scheduler.add(req)  # first: it may refuse the pin (PinRefusedError) before anything is kept
         self._requests[request_id] = req
         self._detok[request_id] = Detokenizer(self.tokenizer, params)
-        self.scheduler.add(req)
         return req
 
     def abort(self, request_id: str) -> bool:
@@ -192,6 +199,7 @@ class EngineCore:
             kv_cache_usage_perc=st["kv_chunks_used"] / st["kv_chunks_total"],
             chunk_size=self.cache.chunk_size,
         )
+        st.update(self.scheduler.stats())  # per-tenant fair share, queueing and pins (issue 16)
         return st
 
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
+from chunkserve.workers.cache_control import PinSpec
 from chunkserve.workers.sampling import SamplingParams
 
 
@@ -54,6 +55,13 @@ class InvalidSamplingError(InvalidRequestError):
     kind: ClassVar[str] = "invalid_sampling"
 
 
+class PinRefusedError(EngineError):
+    """A ``cache_control`` pin was refused (the tenant's pinned-token quota, or the pool's share for pins, is
+    used up) and the tenant's settings say to fail rather than serve the request unpinned."""
+
+    kind: ClassVar[str] = "pin_refused"
+
+
 class EngineStepError(EngineError):
     """The engine failed while running the request (a step raised); the request was aborted."""
 
@@ -74,6 +82,8 @@ class GenerateRequest:
     sampling: SamplingParams
     cache_salt: bytes = b""  # tenant cache scope; equal salts may share prefixes
     tenant: str = "public"
+    weight: float = 1.0  # the tenant's fair-share weight (workers/fairness.py)
+    cache_pin: PinSpec | None = None  # cache_control: pin the marked prefix (workers/pins.py)
 
 
 @dataclass
@@ -89,6 +99,7 @@ class GenerateDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     logprobs: list[float] | None = None
     first_token_time: float | None = None  # monotonic seconds, set on the delta carrying token 1
+    num_cache_creation_tokens: int = 0  # prompt tokens this request wrote to the cache under a pin
     extra: dict = field(default_factory=dict)
 
 
@@ -103,5 +114,5 @@ class EngineProtocol(Protocol):
 
 __all__ = [
     "EngineDeadError", "EngineError", "EngineProtocol", "EngineStepError", "GenerateDelta", "GenerateRequest",
-    "InvalidRequestError", "InvalidSamplingError", "KVPoolTooSmallError", "PromptTooLongError",
+    "InvalidRequestError", "InvalidSamplingError", "KVPoolTooSmallError", "PinRefusedError", "PromptTooLongError",
 ]

@@ -2,19 +2,32 @@
 
 Every step has a token budget shared by decodes (1 token each, scheduled first, so running
 requests never stall) and prefill chunks. A new prompt reuses its cached leading chunks and only
-the rest is prefilled. Admission is by free KV chunks; when a decode cannot get a slot the newest
-running request is preempted (its chunks released, so they stay cached) and requeued for recompute.
+the rest is prefilled. Admission is by free KV chunks, in fair-share order across tenants (the
+virtual token counter of `fairness.py`; first come, first served with ``fair_share=False``), oldest
+arrival first within a tenant, and never past a request that does not fit yet (no overtaking by
+size). When a decode cannot get a slot a victim is preempted (its chunks released, so they stay
+cached) and requeued at its arrival position: the running request with the largest (tenant counter,
+arrival), never the oldest running request, so the oldest request always makes progress. Prefill
+pieces run in the same priority order. ``cache_control`` pins (`pins.py`) are taken when a request's
+prefill ends and released when they expire, checked at the start of each step.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
-from collections import deque
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
+from chunkserve.workers.cache_control import PinSpec
 from chunkserve.workers.chunk_pool import KVCacheFull
+from chunkserve.workers.fairness import FairnessConfig, FairShare
 from chunkserve.workers.kvcache import PrefixKVCache
+from chunkserve.workers.pins import PinManager
+from chunkserve.workers.protocol import PinRefusedError
 from chunkserve.workers.sampling import SamplingParams
 
 
@@ -41,8 +54,15 @@ class Request:
     num_computed: int = 0  # tokens of prompt+output whose K/V are in the cache
     finish_reason: str | None = None
     num_preemptions: int = 0
-    order: int = 0  # admission order, for newest-first preemption
+    order: int = 0  # admission order
     first_token_time: float | None = None
+    tenant: str = "public"
+    weight: float = 1.0  # fair-share weight of the tenant
+    pin: PinSpec | None = None  # cache_control: pin the prompt's first pin.num_tokens tokens
+    seq: int = -1  # arrival order (kept across preemptions)
+    admit_time: float | None = None  # first admission (monotonic)
+    pinned_tokens: int = 0  # tokens pinned (or renewed) for this request
+    cache_creation_tokens: int = 0  # pinned prefix tokens this request computed (not read from the cache)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -85,27 +105,52 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int = 8192
+    fair_share: bool = True  # VTC order across tenants; False: first come, first served
+    max_pinned_fraction: float = 0.5  # at most this share of the pool may be pinned (cache_control)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if not 0.0 <= self.max_pinned_fraction < 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1), got {self.max_pinned_fraction}")
 
 
 class Scheduler:
     """Owns the waiting queue and the running set; plans each step against the cache."""
 
-    def __init__(self, cache: PrefixKVCache, config: SchedulerConfig) -> None:
+    def __init__(self, cache: PrefixKVCache, config: SchedulerConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cache = cache
         self.config = config
-        self.waiting: deque[Request] = deque()
+        self.clock = clock
+        self.waiting: list[Request] = []  # in arrival order (seq)
         self.running: list[Request] = []
         self._order = itertools.count()
+        self._seq = itertools.count()
         self.num_preemptions = 0
         self._preempted_now: set[int] = set()
         self._slots: dict[int, tuple[int, int]] = {}
+        self.fair = FairShare(FairnessConfig(enabled=config.fair_share), clock)
+        self.pins = PinManager(cache, config.max_pinned_fraction, clock)
 
     def add(self, req: Request) -> None:
+        """Queue a request. A pin over its tenant's quota or the pool's pin share raises `PinRefusedError`
+        (nothing queued) when ``on_pool_full == "error"``, else the request runs unpinned."""
+        if req.pin is not None:
+            why = self.pins.check(req.tenant, req.salt, req.prompt, req.pin)
+            if why is not None:
+                self.pins.refused(req.tenant)
+                if req.pin.on_pool_full == "error":
+                    raise PinRefusedError(why)
+                req.pin = None
+        busy = {r.tenant for r in self.waiting} | {r.tenant for r in self.running}
+        self.fair.arrive(req.tenant, req.weight, busy)
+        req.seq = next(self._seq)
         self.waiting.append(req)
+
+    def _requeue(self, req: Request) -> None:
+        """Back into the waiting queue at its arrival position."""
+        bisect.insort(self.waiting, req, key=lambda r: r.seq)
 
     def abort(self, request_id: str) -> Request | None:
         for req in list(self.waiting):
@@ -128,33 +173,55 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ planning
+    def _priority(self, req: Request) -> tuple[float, int]:
+        """Smaller runs first: (tenant's virtual token counter, arrival) under fair share, else arrival."""
+        return self.fair.key(req)
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._preempted_now = set()
+        self.pins.expire()
         budget = self.config.max_num_batched_tokens
         decodes = self._schedule_decodes(budget)
         budget -= len(decodes)
-        # prefill chunks of running requests first, then admit new ones
-        for req in list(self.running):
+        for req in decodes:
+            self.fair.charge(req.tenant, decode=1)
+        # prefill chunks of running requests first (in priority order), then admit new ones
+        in_decode = {id(r) for r in decodes}
+        for req in sorted(self.running, key=self._priority):
             if budget <= 0:
                 break
-            if req.prefilling and req not in decodes:
+            if req.prefilling and id(req) not in in_decode and id(req) not in self._preempted_now:
                 budget -= self._plan_prefill(req, budget, plan)
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            i = self.fair.pick(self.waiting)
+            req = self.waiting[i]
             if id(req) in self._preempted_now or not self._admit(req):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.running.append(req)
             budget -= self._plan_prefill(req, budget, plan)
         self._plan_decode_batch(decodes, plan)
         return plan
 
+    def _victim(self, req: Request) -> Request:
+        """Whom to preempt so that ``req`` gets a slot: the lowest-priority other running request, but
+        never the oldest running one (so the oldest always makes progress); ``req`` itself when every
+        other candidate outranks it."""
+        oldest = min(self.running, key=lambda r: r.seq)
+        cands = [r for r in self.running if r is not req and r is not oldest]
+        if not cands:
+            return req
+        victim = max(cands, key=self._priority)
+        if req is not oldest and self._priority(victim) < self._priority(req):
+            return req
+        return victim
+
     def _schedule_decodes(self, budget: int) -> list[Request]:
         """Give each decoding request a slot for its last sampled token, preempting on a full pool."""
         out: list[Request] = []
         self._slots = {}
-        for req in list(self.running):
+        for req in sorted(self.running, key=lambda r: r.seq):  # oldest first
             # preempted in this loop (identity check: Request equality compares every field)
             if id(req) in self._preempted_now or req.prefilling or len(out) >= budget:
                 continue
@@ -163,9 +230,7 @@ class Scheduler:
                     self._slots[id(req)] = self.cache.append_slot(req.seq_id, req.output[-1])
                     break
                 except KVCacheFull:
-                    victim = max((r for r in self.running if r is not req), key=lambda r: r.order, default=None)
-                    if victim is None or victim.order < req.order:
-                        victim = req
+                    victim = self._victim(req)
                     self._preempt(victim)
                     if victim is req:
                         break
@@ -184,7 +249,7 @@ class Scheduler:
         req.num_computed = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._requeue(req)
 
     def _admit(self, req: Request) -> bool:
         """Reserve the cached prefix; admit only if the rest of the prompt fits the free chunks."""
@@ -204,6 +269,9 @@ class Scheduler:
         req.num_computed = got
         req.status = Status.RUNNING
         req.order = next(self._order)
+        if req.admit_time is None:
+            req.admit_time = self.clock()
+            self.fair.admitted(req.tenant, req.admit_time - req.arrival)
         return True
 
     def _reserved_chunks(self) -> int:
@@ -223,6 +291,8 @@ class Scheduler:
             if req.output or budget <= 0:
                 return 0
             plan.prefills.append(PrefillPiece(req, len(tokens) - 1, tokens[-1:], True, write=False))
+            self.fair.charge(req.tenant, prefill=1)
+            self._take_pin(req)
             return 1
         try:
             chunks, offsets = self.cache.extend_host(req.seq_id, n)  # host arrays: no device access
@@ -232,6 +302,9 @@ class Scheduler:
         start = req.num_computed
         req.num_computed += n
         ends = req.num_computed == len(tokens)
+        self.fair.charge(req.tenant, prefill=n)
+        if ends:
+            self._take_pin(req)
         plan.prefills.append(PrefillPiece(req, start, tokens[start:start + n], ends and not req.output))
         plan.slot_chunks += chunks.tolist()
         plan.slot_offsets += offsets.tolist()
@@ -249,6 +322,27 @@ class Scheduler:
             chunk, offset = self._slots[id(req)]
             plan.slot_chunks.append(chunk)
             plan.slot_offsets.append(offset)
+
+    def _take_pin(self, req: Request) -> None:
+        """The prompt's chunks are all in the tree now: pin (or renew) the marked prefix once."""
+        spec = req.pin
+        if spec is None or req.pinned_tokens:
+            return
+        got = self.pins.pin(req.tenant, req.salt, req.prompt, spec)
+        req.pinned_tokens = got
+        req.cache_creation_tokens = max(0, got - max(req.num_cached, 0)) if got else 0
+        if not got:
+            req.pin = None  # refused now (the pool's pin share filled up meanwhile): served unpinned
+
+    def stats(self) -> dict[str, Any]:
+        """Per tenant: served prefill/decode tokens, queueing time, share, pinned tokens, pins expired."""
+        tenants: dict[str, dict[str, Any]] = {}
+        for name, st in self.fair.stats().items():
+            tenants.setdefault(name, {}).update(st)
+        for name, st in self.pins.stats().items():
+            tenants.setdefault(name, {}).update(st)
+        return {"tenants": tenants, "pinned_chunks": self.cache.num_pinned_chunks,
+                "fair_share": self.config.fair_share}
 
     # ------------------------------------------------------------------ after the step
     def finish(self, req: Request, reason: str) -> None:

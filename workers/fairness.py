@@ -1,0 +1,144 @@
+"""Fair share across tenants: the virtual token counter (VTC) of Sheng et al., OSDI 2024.
+
+Each tenant has a counter of the service it received, in weighted tokens:
+``counter += (prefill_cost * prefill_tokens + decode_cost * decode_tokens) / weight``. Admission and
+prefill order pick the tenant with the smallest counter (oldest request first within a tenant). A
+tenant that arrives after being idle is lifted to the smallest counter among the tenants with work,
+so idle time banks no credit, and a tenant with nothing queued takes no share: the scheduler stays
+work-conserving. With ``enabled=False`` the order is first come, first served (arrival order); the
+counters and the served-token figures are kept either way, for the metrics.
+
+``share(tenant)`` is ``chunkserve:tenant_share``: the tenant's fraction of the recent weighted service
+(decayed with a time constant of ``window_s``) over its fair fraction among the tenants served in
+that window (its weight over their weights). 1.0 is exactly fair; below 1 it got less than its share.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class HasTenant(Protocol):
+    tenant: str
+    weight: float
+    seq: int  # arrival order
+
+
+@dataclass(frozen=True)
+class FairnessConfig:
+    """VTC settings (``EngineConfig.extra["fairness"]`` or `SchedulerConfig.fairness`)."""
+
+    enabled: bool = True
+    prefill_cost: float = 1.0  # weight of a prefill token in the counter
+    decode_cost: float = 2.0  # weight of a decode token (the paper's w_q = 1, w_p = 2)
+    window_s: float = 60.0  # decay time constant of tenant_share
+
+    def __post_init__(self) -> None:
+        if self.prefill_cost < 0 or self.decode_cost < 0 or self.prefill_cost + self.decode_cost <= 0:
+            raise ValueError("prefill_cost and decode_cost must be >= 0 and not both 0")
+        if self.window_s <= 0:
+            raise ValueError("window_s must be > 0")
+
+
+@dataclass
+class TenantServed:
+    """One tenant's counter and served figures (cumulative unless said otherwise)."""
+
+    counter: float = 0.0
+    weight: float = 1.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    queue_time_s: float = 0.0  # summed arrival -> first admission
+    admitted: int = 0
+    recent: float = 0.0  # decayed weighted service (cost, not divided by the weight)
+    recent_at: float = field(default_factory=time.monotonic)
+
+
+class FairShare:
+    """The counters and the pick; the scheduler calls ``arrive``, ``charge`` and ``pick``."""
+
+    def __init__(self, config: FairnessConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or FairnessConfig()
+        self.clock = clock
+        self.tenants: dict[str, TenantServed] = {}
+
+    def _get(self, tenant: str, weight: float = 1.0) -> TenantServed:
+        t = self.tenants.get(tenant)
+        if t is None:
+            t = self.tenants[tenant] = TenantServed(weight=weight, recent_at=self.clock())
+        return t
+
+    def arrive(self, tenant: str, weight: float, busy_tenants: Iterable[str]) -> None:
+        """A request of ``tenant`` joins; ``busy_tenants``: tenants with queued or running requests before it."""
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ValueError(f"tenant weight must be a positive number, got {weight!r}")
+        busy = set(busy_tenants)
+        t = self._get(tenant, weight)
+        t.weight = weight
+        if tenant not in busy:  # back from idle: lift to the lowest counter among the busy tenants
+            floor = [self.tenants[b].counter for b in busy if b in self.tenants]
+            if floor:
+                t.counter = max(t.counter, min(floor))
+
+    def charge(self, tenant: str, prefill: int = 0, decode: int = 0) -> None:
+        cfg = self.config
+        t = self._get(tenant)
+        cost = cfg.prefill_cost * prefill + cfg.decode_cost * decode
+        t.counter += cost / t.weight
+        t.prefill_tokens += prefill
+        t.decode_tokens += decode
+        now = self.clock()
+        t.recent = t.recent * math.exp(-(now - t.recent_at) / cfg.window_s) + cost
+        t.recent_at = now
+
+    def admitted(self, tenant: str, waited_s: float) -> None:
+        t = self._get(tenant)
+        t.queue_time_s += max(0.0, waited_s)
+        t.admitted += 1
+
+    def key(self, req: HasTenant) -> tuple[float, int]:
+        """Priority of a request (smaller first): (tenant counter, arrival) with VTC, else (0, arrival)."""
+        if not self.config.enabled:
+            return (0.0, req.seq)
+        t = self.tenants.get(req.tenant)
+        return (t.counter if t is not None else 0.0, req.seq)
+
+    def pick(self, waiting: list[HasTenant]) -> int:
+        """Index of the request to admit next (the queue is kept in arrival order)."""
+        if not self.config.enabled or len(waiting) < 2:
+            return 0
+        best, best_key = 0, self.key(waiting[0])
+        seen = {waiting[0].tenant}
+        for i, r in enumerate(waiting[1:], 1):
+            if r.tenant in seen:  # only each tenant's oldest request competes
+                continue
+            seen.add(r.tenant)
+            k = self.key(r)
+            if k < best_key:
+                best, best_key = i, k
+        return best
+
+    def share(self) -> dict[str, float]:
+        """Each recently served tenant's share of the weighted service over its fair share (1.0 = fair)."""
+        now = self.clock()
+        recent = {name: t.recent * math.exp(-(now - t.recent_at) / self.config.window_s)
+                  for name, t in self.tenants.items()}
+        active = {n: r for n, r in recent.items() if r > 1e-6}
+        total = sum(active.values())
+        wsum = sum(self.tenants[n].weight for n in active)
+        if not total or not wsum:
+            return {}
+        return {n: (r / total) / (self.tenants[n].weight / wsum) for n, r in active.items()}
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per tenant: served prefill/decode tokens, queueing time, counter and share (engine stats)."""
+        share = self.share()
+        return {name: {"prefill_tokens": t.prefill_tokens, "decode_tokens": t.decode_tokens,
+                       "queue_time_s": t.queue_time_s, "admitted": t.admitted, "counter": t.counter,
+                       "weight": t.weight, "share": share.get(name, 0.0)}
+                for name, t in self.tenants.items()}
