@@ -59,7 +59,8 @@ def _free_port() -> int:
 def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
     path.write_text(yaml.safe_dump({"tenants": [
-        {"id": t, "api_key_sha256": [hash_api_key(f"sk-{t}")], "cache_scope": "private"} for t in TENANTS]}))
+        {"id": t, "api_key_sha256": [hash_api_key(f"sk-{t}")], "cache_scope": "private"} for t in TENANTS],
+        "admin_api_key_sha256": [hash_api_key("sk-admin")]}))
     # the hash chains below are salted as the ingress salts them: a private scope by the tenant id
     assert all(load_tenants(path).authenticate_key(f"sk-{t}").cache_salt == t.encode() for t in TENANTS)
     return path
@@ -233,3 +234,49 @@ def test_router_kwargs_cannot_point_the_router_at_another_index() -> None:
     with pytest.raises(ValueError, match="top-level AppConfig fields"):
         AppConfig(router={"redis_url": "redis://127.0.0.1:1/0"})
     assert AppConfig(router={"policy": SPILL}, namespace=NS).router == {"policy": SPILL}
+
+
+def test_exported_prediction_accuracy_equals_recomputation_from_worker_logs(
+        prefix_app: tuple[str, list[str]]) -> None:
+    """The trace of the first test again; then /metrics' per-reason accuracy (summed from the workers' stats
+    snapshots) must equal the one recomputed from the workers' own outcome logs, exactly."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base, workers = prefix_app
+    prompts = _system_prompts(workers)
+    order = TENANTS + random.Random(5).choices(TENANTS, k=36)
+    _run(base, prompts, order, seed=1)
+    handle = serve.get_deployment_handle("Worker", app_name="pa")
+    logs: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(20):
+        got = handle.routing_log.remote().result(timeout_s=30)
+        logs[got["worker_id"]] = got["records"]
+        if len(logs) == 2:
+            break
+    records = [r for recs in logs.values() for r in recs]
+    offline: dict[str, tuple[int, int]] = {}
+    for r in records:
+        n, ok = offline.get(r["reason"], (0, 0))
+        offline[r["reason"]] = (n + 1, ok + int(r["reused"] == r["predicted"]))
+    assert sum(n for n, _ in offline.values()) >= len(order) and "prefix_hit" in offline
+    client = HTTPClient(base, api_key="sk-admin", model=MODEL, timeout=30)  # /metrics needs the admin key
+    deadline = time.monotonic() + 20
+    while True:  # snapshots are written about once a second
+        exported: dict[str, tuple[float, float]] = {}
+        acc: dict[str, float] = {}
+        for fam in text_string_to_metric_families(client.metrics()):
+            for s in fam.samples:
+                reason = s.labels.get("reason")
+                if s.name == "chunkserve:routing_predictions_total":
+                    exported[reason] = (s.value, exported.get(reason, (0, 0))[1])
+                elif s.name == "chunkserve:routing_predictions_correct_total":
+                    exported[reason] = (exported.get(reason, (0, 0))[0], s.value)
+                elif s.name == "chunkserve:routing_prediction_accuracy":
+                    acc[reason] = s.value
+        if {r: (int(a), int(b)) for r, (a, b) in exported.items()} == offline or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert {r: (int(a), int(b)) for r, (a, b) in exported.items()} == offline
+    assert acc == {r: ok / n for r, (n, ok) in offline.items()}
+    print(f"\nrouting prediction accuracy by reason: { {r: round(a, 3) for r, a in acc.items()} } "
+          f"over {len(records)} requests")
