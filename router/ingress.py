@@ -24,7 +24,6 @@ Never give the subclass an attribute named ``app`` or a ``__call__`` (Ray's ASGI
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -38,6 +37,7 @@ from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.stats import ClusterStatsReader, snapshot_of
 from chunkserve.router.engine_client import EngineClient, HandleEngineClient, engine_error_to_api
+from chunkserve.router.failover import ResumedText, rebased, resume_request
 from chunkserve.router.grpc_service import GrpcServiceMixin
 from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
 from chunkserve.router.ratelimit import Admission, AdmissionLease, RateLimited, RateLimiter
@@ -89,21 +89,6 @@ class Prepared:
     created: int
     t0: float
     include_usage: bool = False
-
-
-def resume_request(req: GenerateRequest, sent: Sequence[int], attempt: int) -> GenerateRequest:
-    """The request that continues ``req`` on another worker after ``sent`` tokens reached the client: the
-    prompt plus those tokens, the remaining budget, and a seeded sampler advanced past the draws made."""
-    s = req.sampling
-    sampling = dataclasses.replace(s, max_tokens=s.max_tokens - len(sent), seed_offset=s.seed_offset + len(sent))
-    return dataclasses.replace(req, request_id=f"{req.request_id}-f{attempt}",
-                               prompt_token_ids=tuple(req.prompt_token_ids) + tuple(sent), sampling=sampling)
-
-
-def _rebased(d: GenerateDelta, n_prompt: int, n_sent: int, n_cached: int) -> GenerateDelta:
-    """A delta of a resumed request, counted as the original request (its prompt, all its output)."""
-    return dataclasses.replace(d, num_prompt_tokens=n_prompt, num_cached_tokens=n_cached,
-                               num_output_tokens=d.num_output_tokens + n_sent, first_token_time=None)
 
 
 def _rate_limited(e: RateLimited) -> APIError:
@@ -272,17 +257,21 @@ class Ingress(GrpcServiceMixin):
         self.metrics.request_waiting(tenant)
         started, reason, t_first = False, "abort", prep.t0
         sent: list[int] = []  # tokens yielded so far (over all attempts)
+        texts: list[str] = []  # and their text
         n_cached, attempt = 0, 0
         self._inflight += 1
         try:
             while True:
                 req = prep.request if attempt == 0 else resume_request(prep.request, sent, attempt)
                 base = len(sent)
+                resumed = ResumedText(self.tokenizer, req.sampling.stop, "".join(texts), sent) if attempt else None
                 try:
                     async with aclosing(self.engine.generate(req, prep.chunk_hashes)) as agen:
                         async for d in agen:
-                            if attempt:
-                                d = _rebased(d, n_prompt, base, n_cached)
+                            if resumed is not None:
+                                text, stopped = resumed.add(d.token_ids, d.finish_reason is not None)
+                                d = rebased(d, n_prompt, base, n_cached, text, "stop" if stopped else d.finish_reason)
+                            texts.append(d.text)
                             if not started and (d.token_ids or d.finish_reason is not None):
                                 started, t_first = True, time.monotonic()
                                 n_cached = d.num_cached_tokens

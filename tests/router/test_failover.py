@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from chunkserve.router.engine_client import EngineClient, LocalEngineClient, classify_remote_error
-from chunkserve.router.ingress import Ingress, IngressConfig, resume_request
+from chunkserve.router.failover import ResumedText, resume_request
+from chunkserve.router.ingress import Ingress, IngressConfig
 from chunkserve.router.local_server import LocalServer
 from chunkserve.router.openai_api import APIError, CompletionRequest
 from chunkserve.router.tenants import load_tenants
@@ -67,17 +68,19 @@ def _ingress(client: EngineClient, engine: AsyncEngine, **cfg: Any) -> Ingress:
     return Ingress(client, engine.tokenizer, load_tenants(None), icfg)
 
 
-async def _run(ingress: Ingress, max_tokens: int, **sampling: Any) -> tuple[list[int], GenerateDelta]:
+async def _run(ingress: Ingress, max_tokens: int, **sampling: Any) -> tuple[list[int], GenerateDelta, str]:
     req = CompletionRequest(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, **sampling)
     prep = await ingress.prepare(ingress.tenants.authenticate_key(None), req, "cmpl-t")
     tokens: list[int] = []
+    texts: list[str] = []
     last = None
     async with aclosing(ingress.stream(prep)) as s:
         async for d in s:
             tokens.extend(d.token_ids)
+            texts.append(d.text)
             last = d
     assert last is not None
-    return tokens, last
+    return tokens, last, "".join(texts)
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +99,18 @@ def _failovers(ingress: Ingress, phase: str) -> float:
                          ids=["greedy", "seeded"])
 def test_a_stream_whose_worker_dies_mid_stream_resumes_with_the_same_tokens(reference, sampling):
     async def main() -> None:
-        want, want_last = await _run(_ingress(LocalEngineClient(reference), reference), 24, **sampling)
+        want, want_last, want_text = await _run(_ingress(LocalEngineClient(reference), reference), 24, **sampling)
         dying = AsyncEngine(ECFG)
         survivor = AsyncEngine(ECFG)
         client = DyingClient([dying, survivor], kill_after={0: 7})
         ing = _ingress(client, survivor)
-        got, last = await _run(ing, 24, **sampling)
+        got, last, text = await _run(ing, 24, **sampling)
         survivor.shutdown()
-        assert got == want  # one unbroken stream, token for token the undisturbed one
-        assert len(client.calls) == 2 and client.calls[1].prompt_token_ids == tuple(PROMPT) + tuple(want[:7])
-        assert client.calls[1].sampling.seed_offset == 7 and client.calls[1].sampling.max_tokens == 24 - 7
+        assert got == want and text == want_text  # one unbroken stream, token for token the undisturbed one
+        k = client.calls[1].sampling.seed_offset  # tokens sent before the kill (>= 7: some may be in flight)
+        assert len(client.calls) == 2 and 7 <= k < 24
+        assert client.calls[1].prompt_token_ids == tuple(PROMPT) + tuple(want[:k])
+        assert client.calls[1].sampling.max_tokens == 24 - k
         assert last.finish_reason == want_last.finish_reason and last.num_output_tokens == len(want)
         assert last.num_prompt_tokens == len(PROMPT)
         assert _failovers(ing, "mid_stream") == 1.0
@@ -115,13 +120,13 @@ def test_a_stream_whose_worker_dies_mid_stream_resumes_with_the_same_tokens(refe
 
 def test_a_request_whose_worker_dies_before_the_first_token_is_resent_unchanged(reference):
     async def main() -> None:
-        want, _ = await _run(_ingress(LocalEngineClient(reference), reference), 8, temperature=0.0)
+        want, _, _ = await _run(_ingress(LocalEngineClient(reference), reference), 8, temperature=0.0)
         dead = AsyncEngine(ECFG)
         dead.shutdown()  # the first worker is gone before the request reaches it
         survivor = AsyncEngine(ECFG)
         client = DyingClient([dead, survivor], kill_after={})
         ing = _ingress(client, survivor)
-        got, _ = await _run(ing, 8, temperature=0.0)
+        got, _, _ = await _run(ing, 8, temperature=0.0)
         survivor.shutdown()
         assert got == want
         assert client.calls[1].prompt_token_ids == tuple(PROMPT) and client.calls[1].sampling.seed_offset == 0
@@ -154,6 +159,25 @@ def test_a_seeded_sampler_with_a_seed_offset_continues_the_seeded_sequence():
     p3 = SamplingParams(temperature=1.0, seed=99, seed_offset=3)
     tail = [resumed.sample(logits, ["a-f1"], [p3])[0][0] for _ in range(5)]
     assert tail == seq[3:] and len(set(seq)) > 1  # a real random sequence, continued exactly
+
+
+class ByteTokenizer:
+    """Token id = one UTF-8 byte (a character may be split across tokens, as with byte-level BPE)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_resumed_text_completes_a_character_split_across_the_failover():
+    t = ResumedText(ByteTokenizer(), (), emitted="ab", output_ids=[97, 98, 0xC3])  # first worker held 0xC3 back
+    assert t.add([0xA9], final=False) == ("\u00e9", False)
+    assert t.add([0xE2, 0x82], final=False) == ("", False)  # incomplete: held back
+    assert t.add([0xAC], final=True) == ("\u20ac", False) and t.emitted == "ab\u00e9\u20ac"
+
+
+def test_resumed_text_finds_a_stop_string_spanning_the_failover():
+    t = ResumedText(ByteTokenizer(), ("XY",), emitted="a", output_ids=[97, 88])  # "X" held back: may start "XY"
+    assert t.add([89, 100], final=False) == ("", True) and t.emitted == "a"
 
 
 def test_resume_request_keeps_the_budget_and_advances_the_seed():

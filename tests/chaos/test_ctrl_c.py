@@ -1,0 +1,67 @@
+"""Ctrl-C on `chunkserve up` under streaming load: SIGINT to the whole process group (what a terminal sends),
+then every request that was in flight completes (the drain), and the launcher exits by itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from harness import StreamLoad, failures, stream_completion
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-ctrl-c"
+PROMPTS = [[(17 * k + 5 * i) % 250 + 1 for i in range(40)] for k in range(3)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path):
+    http_port, grpc_port = _free_port(), _free_port()
+    cfg = tmp_path / "app.yaml"
+    cfg.write_text(f"model_name: {MODEL}\nworkers: 1\n")
+    log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 (read back below)
+    cmd = [sys.executable, "-m", "chunkserve.cli", "up", "--model", "random:tiny", "--config", str(cfg),
+           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--num-cpus", "2", "--drain-grace", "30",
+           "--engine", '{"chunk_size": 16, "num_kv_chunks": 64, "max_model_len": 256}']
+    env = {**os.environ, "RAY_ADDRESS": ""}  # a cluster of its own, never one left by another test
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while "chunkserve is up" not in (tmp_path / "up.log").read_text():
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "chunkserve up did not come up"
+            time.sleep(1.0)
+        base = f"http://127.0.0.1:{http_port}"
+        warm = stream_completion(base, {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4,
+                                        "temperature": 0.0}, 0, 120.0)
+        assert warm.ok, warm
+        load = StreamLoad(base, MODEL, PROMPTS, clients=4, max_tokens=96).start()
+        time.sleep(3.0)
+        load._stop.set()  # no new requests from here on: only the in-flight ones must finish
+        t_int = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
+        outs = load.stop()
+        in_flight = [o for o in outs if o.t_start <= t_int <= o.t_end]
+        rc = proc.wait(timeout=120)
+        text = (tmp_path / "up.log").read_text()
+        bad = failures(in_flight)
+        print(f"\n[chaos] Ctrl-C: in_flight={len(in_flight)}, failed={len(bad)}, "
+              f"last_finished_after_s={max(o.t_end for o in in_flight) - t_int:.1f}, "
+              f"exit_s={time.monotonic() - t_int:.1f}, rc={rc}", flush=True)
+        assert in_flight and not bad, [(o.status, o.error) for o in bad][:3]
+        assert rc == 0 and "chunkserve stopped." in text and "draining" in text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
