@@ -7,7 +7,7 @@ stepped the way `LLM.generate` steps it) in the same run, one after the other (n
   (b) chat32: 32 concurrent streaming chats, 4 tenants x 8 users, a ~1000-token system prompt per
       tenant, 64 greedy tokens each.
 
-It reports completion tok/s, TTFT p50, SSE events per request and, for the served runs, the CPU seconds
+It reports completion tok/s, TTFT p50, TPOT p50 (ms/tok), SSE events per request and, for the served runs, the CPU seconds
 spent by each process (engine worker, ingress, proxy, Ray system, the client itself), plus the
 served/offline ratios. Served modes: ``local`` (`LocalServer` in a child process: uvicorn + the ingress
 + an in-process engine) and ``ray`` (`chunkserve up` as a child process). Greedy decoding makes served
@@ -16,9 +16,9 @@ and offline outputs the same tokens, so the ratios compare equal work.
     .venv/bin/python benchmarks/bench_served.py                       # both modes, embedded SmolLM2
     .venv/bin/python benchmarks/bench_served.py --mode local --json served.json
 
-This file manages the processes (offline engine, local or Ray server) and prints the table; the workloads
-and the client are in `served_client.py`, which stays torch-free: the CPU model is read in the offline
-engine's process, which has torch anyway (`chunkserve.kernels.bench.cpu_model` imports it).
+This file manages the processes (offline engine, local or Ray server) and prints the table; the workloads,
+the streaming client and the CPU accounting are `chunkserve bench serve`'s (`chunkserve.tools`, torch-free),
+and the offline process is sent the same conversations as JSON.
 """
 
 from __future__ import annotations
@@ -35,8 +35,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from served_client import MAX_TOKENS, chat_ids, load_tokenizer, run_served_once, summarize, workloads  # noqa: E402
+from chunkserve.tools import client, procs, workload
+from chunkserve.tools.bench_serve import Plan, bench_endpoint
+
+MAX_TOKENS = 64
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt ids exactly as the ingress builds them (template text, then encode without specials)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def workloads() -> dict[str, list[workload.ChatRequest]]:
+    """(a) single: one chat asking for a story; (b) chat32: 4 tenants x 8 users, ~1000-token system prompts."""
+    count = workload.load_counter(None)
+    return {"single": [workload.single_request()],
+            "chat32": workload.chat_requests(workload.WorkloadSpec(4, 8, 1000), count)}
 
 
 # -- offline ------------------------------------------------------------------------------------------
@@ -63,24 +78,29 @@ class Offline:
         self._n += 1
         t0, mono0 = time.perf_counter(), time.monotonic()
         reqs = [engine.add_request(f"r{self._n}-{i}", p, self.greedy, salt=b"public") for i, p in enumerate(prompts)]
+        ends: dict[int, float] = {}
         while engine.has_work():
             engine.step()
-        t1 = time.perf_counter()
-        firsts = [t0 + (q.first_token_time - mono0) for q in reqs]
-        res = summarize([t0] * len(reqs), firsts, [t1] * len(reqs), [len(q.output) for q in reqs], [0] * len(reqs))
+            now = time.perf_counter()
+            for i, q in enumerate(reqs):
+                if q.finish_reason is not None and i not in ends:
+                    ends[i] = now
+        records = [client.RequestRecord("offline", t0, first=t0 + (q.first_token_time - mono0), end=ends[i],
+                                        completion_tokens=len(q.output), prompt_tokens=len(q.prompt),
+                                        cached_tokens=q.num_cached, usage_reported=True)
+                   for i, q in enumerate(reqs)]
+        res = client.summarize(records)
         res["events_per_request"] = None
         return res
 
 
 def serve_offline(model: str | None, threads: int | None, kv_cache_gb: float) -> None:
-    """Child-process body of the offline side: one workload name per stdin line, one JSON result per line."""
-    from chunkserve.kernels.bench import cpu_model
-
+    """Child-process body of the offline side: one JSON list of conversations per stdin line, one JSON
+    result per line."""
     off = Offline(model, threads, kv_cache_gb)
-    convs = workloads(off.llm.tokenizer)
-    print(json.dumps({"torch_threads": off.torch_threads, "cpu": cpu_model()}), flush=True)
+    print(json.dumps({"torch_threads": off.torch_threads}), flush=True)
     for line in sys.stdin:
-        print(json.dumps(off.run(convs[line.strip()])), flush=True)
+        print(json.dumps(off.run(json.loads(line))), flush=True)
 
 
 class OfflineProcess:
@@ -95,8 +115,7 @@ class OfflineProcess:
             cmd += ["--threads", str(args.threads)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      start_new_session=True)
-        hello = self._read()
-        self.torch_threads, self.cpu = hello["torch_threads"], hello["cpu"]
+        self.torch_threads = self._read()["torch_threads"]
 
     def _read(self) -> dict[str, Any]:
         while self.proc.stdout is not None:
@@ -107,10 +126,10 @@ class OfflineProcess:
                 return json.loads(line)
         raise RuntimeError("no pipe to the offline engine process")
 
-    def run(self, name: str) -> dict[str, Any]:
+    def run(self, reqs: list[workload.ChatRequest]) -> dict[str, Any]:
         if self.proc.stdin is None:
             raise RuntimeError("no pipe to the offline engine process")
-        self.proc.stdin.write(name + "\n")
+        self.proc.stdin.write(json.dumps([r.messages for r in reqs]) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -199,8 +218,19 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_mode(mode: str, args: argparse.Namespace, convs: dict[str, list], offline: OfflineProcess
-             ) -> dict[str, Any]:
+def served_once(url: str, model: str, reqs: list[workload.ChatRequest], pid: int) -> dict[str, Any]:
+    """One workload through the server (`chunkserve bench serve`'s client: a warm-up, then all requests
+    at once), with the server's CPU seconds per process role and the client's own."""
+    plan = Plan(reqs, workload.single_request(), client.Sampling(MAX_TOKENS, 0.0), 1, 0, {}, None, 900.0)
+    out = asyncio.run(bench_endpoint("served", url, model, plan, pid))
+    res = out["runs"]["pass1"]
+    if res["failed"]:
+        raise RuntimeError(f"{res['failed']} requests failed: {res['errors']}")
+    return res
+
+
+def run_mode(mode: str, args: argparse.Namespace, convs: dict[str, list[workload.ChatRequest]],
+             offline: OfflineProcess) -> dict[str, Any]:
     """Rounds of (served, offline) per workload, alternating, so that both see the same background load."""
     try:
         proc, url, model_name, threads = start_server(mode, args)
@@ -210,21 +240,41 @@ def run_mode(mode: str, args: argparse.Namespace, convs: dict[str, list], offlin
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in convs}
     try:
         for _ in range(args.rounds):
-            for name, cs in convs.items():
+            for name, reqs in convs.items():
                 try:
-                    served = asyncio.run(run_served_once(url, model_name, cs, proc.pid))
-                except Exception as e:  # the server died (a shared machine): start it again, run once more
+                    served = served_once(url, model_name, reqs, proc.pid)
+                except (RuntimeError, OSError) as e:  # the server died (a shared machine): restart, run once more
                     print(f"{mode} server lost ({e!r}); restarting", flush=True)
                     stop_server(proc)
                     proc, url, model_name, threads = start_server(mode, args)
-                    served = asyncio.run(run_served_once(url, model_name, cs, proc.pid))
-                off = offline.run(name)
-                served["ratio_vs_offline"] = round(served["tok_per_s"] / off["tok_per_s"], 3)
+                    served = served_once(url, model_name, reqs, proc.pid)
+                off = offline.run(reqs)
+                served["ratio_vs_offline"] = round(served["completion_tok_per_s"] / off["completion_tok_per_s"], 3)
                 rounds[name].append({"served": served, "offline": off})
                 print(f"{mode} {name}: served {json.dumps(served)}\n  offline {json.dumps(off)}", flush=True)
     finally:
         stop_server(proc)
     return {"engine_threads": threads, **rounds}
+
+
+def _ms(s: dict[str, Any], key: str) -> str:
+    return "-" if not s.get(key) else f"{s[key]['p50']:.1f}"
+
+
+def print_table(results: dict[str, Any], modes: list[str], names: list[str]) -> None:
+    print(f"{'run':<15}{'tok/s':>8}{'off tok/s':>10}{'ratio':>7}{'TTFT p50':>10}{'off TTFT':>10}"
+          f"{'ms/tok':>8}{'off ms/tok':>11}{'events/req':>11}  cpu_s")
+    for mode in modes:
+        for name in names:
+            for r in results[mode][name]:
+                s_, o = r["served"], r["offline"]
+                cpu = {**s_.get("server_cpu_s", {}), "client": s_.get("client_cpu_s")}
+                print(f"{mode + ' ' + name:<15}{s_['completion_tok_per_s']:>8}{o['completion_tok_per_s']:>10}"
+                      f"{s_['ratio_vs_offline']:>7}{_ms(s_, 'ttft_ms'):>10}{_ms(o, 'ttft_ms'):>10}"
+                      f"{_ms(s_, 'tpot_ms'):>8}{_ms(o, 'tpot_ms'):>11}{s_['events_per_request']:>11}  {cpu}")
+            ratios = [r["served"]["ratio_vs_offline"] for r in results[mode][name]]
+            results[mode][f"{name}_ratio_median"] = statistics.median(ratios)
+            print(f"{mode + ' ' + name:<15} median ratio {statistics.median(ratios):.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,11 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_offline:
         serve_offline(args.model, args.threads, args.kv_cache_gb)
         return 0
-    tok = load_tokenizer()
-    convs = workloads(tok)
+    convs = workloads()
     offline = OfflineProcess(args)
-    results: dict[str, Any] = {"cpu": offline.cpu, "cores": os.cpu_count(), "model": args.model or "embedded",
-                               "system_prompt_tokens": len(chat_ids(tok, convs["chat32"][0][:1])),
+    results: dict[str, Any] = {"cpu": procs.cpu_model(), "cores": os.cpu_count(), "model": args.model or "embedded",
                                "offline_torch_threads": offline.torch_threads, "load_avg_start": os.getloadavg()}
     modes = ["local", "ray"] if args.mode == "both" else [args.mode]
     try:
@@ -263,18 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nCPU: {results['cpu']} ({results['cores']} cores), load avg {results['load_avg_start'][0]:.1f} -> "
           f"{results['load_avg_end'][0]:.1f}; offline torch threads {offline.torch_threads}; "
           f"served: {results[modes[0]]['engine_threads']}")
-    print(f"{'run':<15}{'tok/s':>8}{'off tok/s':>10}{'ratio':>7}{'TTFT p50':>10}{'off TTFT':>10}"
-          f"{'ms/tok':>8}{'off ms/tok':>11}{'events/req':>11}  cpu_s")
-    for mode in modes:
-        for name in convs:
-            for r in results[mode][name]:
-                s_, o = r["served"], r["offline"]
-                print(f"{mode + ' ' + name:<15}{s_['tok_per_s']:>8}{o['tok_per_s']:>10}{s_['ratio_vs_offline']:>7}"
-                      f"{s_['ttft_p50_ms']:>10}{o['ttft_p50_ms']:>10}{s_['ms_per_token']:>8}"
-                      f"{o['ms_per_token']:>11}{s_['events_per_request']:>11}  {s_['cpu_s']}")
-            ratios = [r["served"]["ratio_vs_offline"] for r in results[mode][name]]
-            results[mode][f"{name}_ratio_median"] = statistics.median(ratios)
-            print(f"{mode + ' ' + name:<15} median ratio {statistics.median(ratios):.3f}")
+    print_table(results, modes, list(convs))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

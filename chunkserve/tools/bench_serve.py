@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,11 +132,13 @@ async def bench_endpoint(name: str, url: str, model: str | None, plan: Plan, pid
             runs.append(("single", [plan.single], plan.singles))
         for run, reqs, times in runs:
             cpu0 = await asyncio.to_thread(procs.cpu_by_process, pid) if pid else {}
+            self0 = time.process_time()
             records: list[client.RequestRecord] = []
             for _ in range(times):
                 records += await client.run_requests(s, model, reqs, plan.sampling, plan.api_keys,
                                                      plan.max_concurrency)
             summary = client.summarize(records)
+            summary["client_cpu_s"] = round(time.process_time() - self0, 2)
             if pid:
                 summary["server_cpu_s"] = procs.cpu_delta(cpu0, await asyncio.to_thread(procs.cpu_by_process, pid))
             out["runs"][run] = summary
