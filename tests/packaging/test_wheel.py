@@ -31,6 +31,7 @@ def test_wheel_holds_only_the_chunkserve_namespace(wheel: Path) -> None:
     assert "chunkserve/kernels/tpp_torch.py" in names
     assert "chunkserve/kernels/csrc/decode_cpu.cpp" in names  # the CPU kernel is built from it on first use
     assert {"chunkserve/loadtests/locustfile.py", "chunkserve/loadtests/workload.py"} <= set(names)
+    assert {f"chunkserve/router/static/dashboard.{ext}" for ext in ("html", "js", "css")} <= set(names)
 
 
 def test_modules_import_from_the_installed_wheel(wheel: Path, tmp_path: Path) -> None:
