@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,7 +29,8 @@ import torch
 from chunkserve.kernels.torch_ops import Workspace
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("csrc") / "decode_cpu.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "decode_cpu.cpp", CSRC / "run_cpu.cpp")  # one library; headers: csrc/*.h
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_GROUP, MAX_CHUNK, MAX_HEAD_DIM = 32, 256, 256  # the kernel's stack tiles (see the source)
@@ -68,7 +70,8 @@ def build(force: bool = False) -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()])
+    texts = [p.read_text() for p in (*SOURCES, *sorted(CSRC.glob("*.h")))]
+    key = hashlib.sha256("\0".join([*texts, version, " ".join(FLAGS), _cpu_signature()])
                          .encode()).hexdigest()[:16]
     out = _cache_dir() / f"decode_cpu_{key}.so"
     if out.exists() and not force:
@@ -77,9 +80,10 @@ def build(force: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+                             timeout=300)
         if res.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{res.stderr[-2000:]}")
+            raise RuntimeError(f"building {CSRC.name}/*.cpp failed:\n{res.stderr[-2000:]}")
         os.replace(tmp, out)  # atomic: concurrent builders (several workers) each land a whole file
     finally:
         if os.path.exists(tmp):
@@ -101,6 +105,12 @@ class CpuDecodeKernel:
                        ptr, ptr, ptr, ptr, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
+        runs = lib.cs_run_attention
+        runs.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, *[i64] * 8, ptr, ptr, ptr, ptr,
+                         ctypes.c_int]
+        runs.restype = ctypes.c_int
+        self._runs = runs
+        self.vector_width = int(lib.cs_vector_width())
 
     @staticmethod
     def supports(q4: torch.Tensor, pool: torch.Tensor) -> bool:
@@ -109,6 +119,10 @@ class CpuDecodeKernel:
         return (pool.device.type == "cpu" and pool.dtype in DTYPE_CODES and g <= MAX_GROUP
                 and pool.shape[2] <= MAX_CHUNK and d <= MAX_HEAD_DIM
                 and pool.stride(3) == 1 and pool.stride(2) == d and pool.stride(1) == pool.shape[2] * d)
+
+    def supports_runs(self, q4: torch.Tensor, pool: torch.Tensor) -> bool:
+        """Whether ``run_attention`` handles this call (``supports`` and D a multiple of the vector width)."""
+        return self.supports(q4, pool) and q4.shape[-1] % self.vector_width == 0
 
     def __call__(self, q4: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, table: torch.Tensor,
                  tokens: torch.Tensor, scale: float, o: torch.Tensor, lse: torch.Tensor | None,
@@ -152,6 +166,72 @@ class CpuDecodeKernel:
                       None if lse is None else lse.data_ptr(), threads)
         if rc != 0:
             raise RuntimeError(f"cs_decode_attention failed with code {rc} (b={b} Hkv={hkv} g={g} D={d} c={c})")
+
+
+@dataclass(frozen=True)
+class RunTable:
+    """Phase-1 work of one step in the kernel's layout (the same for every layer of the step)."""
+
+    rows: torch.Tensor    # [R, 2] int32: batch rows [i, j) of each run
+    cptr: torch.Tensor    # [R + 1] int32: offsets into chunks / tokens
+    chunks: torch.Tensor  # [sum P_r] int32 chunk ids, run after run
+    tokens: torch.Tensor  # [sum P_r] int32 valid tokens per chunk
+    max_rows: int         # largest j - i
+    max_chunks: int       # largest P_r
+    row_keys: int         # sum over runs of (j - i) * valid keys: the work, in row-key pairs
+
+    @staticmethod
+    def build(runs: list[tuple[int, int]], chunk_lists: list[tuple[int, ...]],
+              token_lists: list[tuple[int, ...]]) -> RunTable:
+        cptr = [0]
+        for cl in chunk_lists:
+            cptr.append(cptr[-1] + len(cl))
+        i32 = torch.int32
+        return RunTable(
+            rows=torch.tensor(runs, dtype=i32).view(-1, 2),
+            cptr=torch.tensor(cptr, dtype=i32),
+            chunks=torch.tensor([x for cl in chunk_lists for x in cl], dtype=i32),
+            tokens=torch.tensor([x for tl in token_lists for x in tl], dtype=i32),
+            max_rows=max((j - i for i, j in runs), default=0),
+            max_chunks=max((len(cl) for cl in chunk_lists), default=0),
+            row_keys=sum((j - i) * sum(tl) for (i, j), tl in zip(runs, token_lists, strict=True)))
+
+
+def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor,
+                  table: RunTable, scale: float, part_o: torch.Tensor, part_lse: torch.Tensor,
+                  ws: Workspace) -> None:
+    """TPP phase 1 on the CPU: each run's stacked queries against its chunks, read in place.
+
+    q4: [b, Hkv, g, D] fp32; pools: [Hkv, N, c, D]; part_o: [S >= R, b, Hkv, g, D] and part_lse:
+    [S, b, Hkv, g] fp32 contiguous. Slot r receives run r's partial for its rows [i, j) only.
+    """
+    b, hkv, g, d = q4.shape
+    c = k_pool_l.shape[2]
+    n_runs = table.rows.shape[0]
+    if not (part_o.is_contiguous() and part_lse.is_contiguous() and part_o.shape[0] >= n_runs
+            and part_o.shape[1:] == q4.shape and part_o.dtype == part_lse.dtype == torch.float32):
+        raise ValueError("part_o / part_lse must be contiguous fp32 [S >= runs, b, Hkv, g, D] / [S, b, Hkv, g]")
+    qs = ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device)
+    torch.mul(q4, scale, out=qs)  # [b, Hkv, g, D], pre-scaled
+    threads = torch.get_num_threads()
+    if table.row_keys * hkv * d < SERIAL_ELEMENTS:
+        threads = 1
+    nsplit = 1  # split long runs when runs x heads alone cannot keep every thread busy
+    if n_runs * hkv < 4 * threads and table.max_chunks > 1:
+        want = -(-4 * threads // (n_runs * hkv))
+        nsplit = max(1, min(want, table.max_chunks // max(1, -(-MIN_SPLIT_TOKENS // c))))
+    mmax = table.max_rows * g
+    so = slse = None
+    if nsplit > 1:
+        so = ws.take("cpuk_run_so", (n_runs, hkv, nsplit, mmax, d), torch.float32, q4.device)
+        slse = ws.take("cpuk_run_slse", (n_runs, hkv, nsplit, mmax), torch.float32, q4.device)
+    rc = kern._runs(qs.data_ptr(), k_pool_l.data_ptr(), v_pool_l.data_ptr(), k_pool_l.stride(0), k_pool_l.stride(1),
+                    DTYPE_CODES[k_pool_l.dtype], table.rows.data_ptr(), table.cptr.data_ptr(),
+                    table.chunks.data_ptr(), table.tokens.data_ptr(), n_runs, b, hkv, g, d, c, nsplit, mmax,
+                    None if so is None else so.data_ptr(), None if slse is None else slse.data_ptr(),
+                    part_o.data_ptr(), part_lse.data_ptr(), threads)
+    if rc != 0:
+        raise RuntimeError(f"cs_run_attention failed with code {rc} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")
 
 
 @functools.cache

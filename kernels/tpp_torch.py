@@ -1,9 +1,11 @@
 """Two-phase partition (TPP) decode attention in PyTorch (fast on CPUs, correct anywhere).
 
 Phase 1 (chunk-first): for every shared run, the stacked queries of the rows it covers, with the
-GQA heads of each kv head packed into rows (``[Hkv, (j-i)*g, D]``), attend the run's keys in one
-batched call. A run stored in consecutive chunk ids is read as a view of the pool; its partial
-partial (o, lse) in fp32 goes to one slot of a partial stack (rows ``[i, j)`` of slot ``r``).
+GQA heads of each kv head packed into rows (``[Hkv, (j-i)*g, D]``), attend the run's keys together.
+On CPUs every run goes through one call of the in-place kernel (``cpu_kernel.run_attention``:
+register-tiled, each key loaded once per run); elsewhere each run is one batched ATen call over a
+view of the pool (consecutive chunk ids) or a gather. The partial (o, lse) in fp32 goes to one slot
+of a partial stack (rows ``[i, j)`` of slot ``r``).
 
 Phase 2 (sequence-first): the private chunks of all rows are attended position group by position
 group (``torch_ops.dense_chunk_pass``), one more slot per group; then every row merges its slots
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from chunkserve.kernels.context import ChunkContext
-from chunkserve.kernels.cpu_kernel import inplace_kernel
+from chunkserve.kernels.cpu_kernel import RunTable, inplace_kernel, run_attention
 from chunkserve.kernels.torch_ops import (
     Workspace,
     combine_partials,
@@ -118,8 +120,17 @@ def tpp_decode_torch(
     if not only_run:
         part_o[: ctx.num_runs].zero_()
         part_lse[: ctx.num_runs].fill_(float("-inf"))
-    # phase 1: one batched partial per shared run, the queries of its rows stacked (GQA packed)
-    for r in range(ctx.num_runs):
+    # phase 1: one batched partial per shared run, the queries of its rows stacked (GQA packed):
+    # all runs in one in-place kernel call when it serves the shapes, else one ATen call per run
+    runs_kernel = kern is not None and ctx.num_runs > 0 and kern.supports_runs(qf.view(b, hkv, g, d), k_pool_l)
+    if runs_kernel:
+        rt = ws.memo.get(("run_table", id(ctx)))
+        if rt is None or rt[0] is not ctx:  # type: ignore[index]
+            rt = (ctx, RunTable.build([r[:2] for r in ctx.runs_host], list(ctx.run_chunk_lists),
+                                      list(ctx.run_token_lists)))
+            ws.remember(("run_table", id(ctx)), rt)
+        run_attention(kern, qf.view(b, hkv, g, d), k_pool_l, v_pool_l, rt[1], scale, part_o, part_lse, ws)
+    for r in range(0 if runs_kernel else ctx.num_runs):
         i, j = ctx.runs_host[r][0], ctx.runs_host[r][1]
         n = j - i
         q_run = qf[i:j].view(n, hkv, g, d).transpose(0, 1).reshape(1, hkv, n * g, d)

@@ -19,22 +19,17 @@
 #include <limits>
 #include <omp.h>
 
+#include "simd.h"
+
 namespace {
+
+using cs::Bf16;
+using cs::to_f;
 
 constexpr int64_t kMaxG = 32;     // query heads per KV head
 constexpr int64_t kMaxC = 256;    // chunk size
 constexpr int64_t kMaxD = 256;    // head dim
 
-struct Bf16 { uint16_t bits; };
-
-inline float to_f(float x) { return x; }
-inline float to_f(Bf16 x) {
-  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline float to_f(_Float16 x) { return static_cast<float>(x); }
 
 struct Args {
   const float* q;            // [b, hkv, g, d] fp32, pre-scaled by the softmax scale
@@ -115,8 +110,16 @@ void run_item(const Args& a, int64_t row, int64_t h, int64_t s, float* o_dst, fl
         for (int64_t j = 0; j < d; ++j) ag[j] *= alpha;
       }
       m[gi] = nm;
+      cs::vf vsum{};
+      int64_t t = 0;
+      for (; t + cs::kW <= nt; t += cs::kW) {  // vectorised exp, kW scores at a time
+        const cs::vf e = cs::vexp(cs::load(sg + t) - nm);
+        cs::store(sg + t, e);
+        vsum += e;
+      }
       float sum = 0.f;
-      for (int64_t t = 0; t < nt; ++t) {
+      for (int w = 0; w < cs::kW; ++w) sum += vsum[w];
+      for (; t < nt; ++t) {
         const float e = std::exp(sg[t] - nm);
         sg[t] = e;
         sum += e;

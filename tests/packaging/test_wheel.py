@@ -29,7 +29,8 @@ def test_wheel_holds_only_the_chunkserve_namespace(wheel: Path) -> None:
         assert f"chunkserve/{sub}/__init__.py" in names
     assert "chunkserve/v1/generate.proto" in names
     assert "chunkserve/kernels/tpp_torch.py" in names
-    assert "chunkserve/kernels/csrc/decode_cpu.cpp" in names  # the CPU kernel is built from it on first use
+    for src in ("decode_cpu.cpp", "run_cpu.cpp", "simd.h"):  # the CPU kernels are built from them on first use
+        assert f"chunkserve/kernels/csrc/{src}" in names
     assert {"chunkserve/loadtests/locustfile.py", "chunkserve/loadtests/workload.py"} <= set(names)
     assert {f"chunkserve/router/static/dashboard.{ext}" for ext in ("html", "js", "css")} <= set(names)
 

@@ -1,0 +1,301 @@
+// chunkserve CPU phase 1 of TPP attention: every shared run's stacked queries against its chunks.
+//
+// A run covers batch rows [i, j) of a decode batch and a list of chunks they all share. For each KV
+// head, its M = (j - i) * g query rows (the rows' GQA heads of that KV head) attend the run's keys
+// together, so each key and value is loaded once per run instead of once per row: the matrix-matrix
+// form of the paper's chunk-first phase. Work items are (run, kv head, split of the run's chunks).
+// Inside an item, per chunk: scores S^T [t, rows] = K Q^T by a 4-key x 2-vector register tile over
+// rows pre-transposed to Q^T [D, rows]; online softmax vectorised across rows (one max, one exp
+// per score); then O [rows, D] += P V by a 4-row x 2-vector tile. Only valid token slots are read.
+// Output, per run r: normalised o in slot r of [R, b, Hkv, g, D] and lse in [R, b, Hkv, g] (rows
+// [i, j) only; other rows of the slot are left untouched). Splits are merged by log-sum-exp.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#include <omp.h>
+
+#include "simd.h"
+
+namespace {
+
+using cs::kW;
+using cs::vf;
+
+struct RunArgs {
+  const float* q;          // [b, hkv, g, d] fp32, pre-scaled
+  const void* k;           // pool layer, element (h, n, t, j) at h*hs + n*cs + t*d + j
+  const void* v;
+  int64_t hs, cs;
+  const int32_t* rows;     // [R, 2] (i, j)
+  const int32_t* cptr;     // [R + 1] offsets into chunks / tokens
+  const int32_t* chunks;   // chunk ids of every run, concatenated
+  const int32_t* tokens;   // valid tokens per chunk
+  int64_t R, b, hkv, g, d, c, nsplit, mmax;
+  float* so;               // [R, hkv, nsplit, mmax, d] scratch (nsplit > 1)
+  float* slse;             // [R, hkv, nsplit, mmax]
+  float* o;                // [R, b, hkv, g, d]
+  float* lse;              // [R, b, hkv, g]
+};
+
+struct Scratch {
+  std::vector<float> qt, acc, m, l, st, kf, vf_;
+};
+
+// Register tiles. A row block holds MB = NV * kW query rows. Scores: KU keys x NV vectors of rows;
+// P@V: RU rows x 2 vectors of D. Both keep 8-12 accumulators and load about 2 values per 3 FMAs.
+template <int NV> struct Tile {
+  static constexpr int64_t MB = NV * kW;
+  static constexpr int KU = NV == 3 ? 4 : 6;
+  static constexpr int RU = NV == 3 ? 6 : 4;
+  static_assert(MB % RU == 0, "row block must split into P@V row tiles");
+};
+
+// st[t * MB + x] = q_x . k_t for nt keys (qt: [d, MB], keys row-major [nt, d]).
+template <int NV>
+__attribute__((noinline)) void scores(const float* qt, const float* kc, int64_t nt, int64_t d, float* st) {
+  constexpr int64_t MB = Tile<NV>::MB;
+  constexpr int KU = Tile<NV>::KU;
+  int64_t t = 0;
+  for (; t + KU <= nt; t += KU) {
+    vf a[KU][NV] = {};
+    const float* kr = kc + t * d;  // key t + u at kr[u * d + j]
+    for (int64_t j = 0; j < d; ++j, ++kr) {
+      vf q[NV];
+#pragma GCC unroll 3
+      for (int v = 0; v < NV; ++v) { q[v] = cs::load(qt + j * MB + v * kW); cs::keep(q[v]); }
+#pragma GCC unroll 6
+      for (int u = 0; u < KU; ++u) {
+        const float x = kr[u * d];
+#pragma GCC unroll 3
+        for (int v = 0; v < NV; ++v) a[u][v] += x * q[v];
+      }
+    }
+#pragma GCC unroll 6
+    for (int u = 0; u < KU; ++u)
+#pragma GCC unroll 3
+      for (int v = 0; v < NV; ++v) cs::store(st + (t + u) * MB + v * kW, a[u][v]);
+  }
+  for (; t < nt; ++t) {
+    vf a[NV] = {};
+    const float* kt = kc + t * d;
+    for (int64_t j = 0; j < d; ++j)
+#pragma GCC unroll 3
+      for (int v = 0; v < NV; ++v) a[v] += kt[j] * cs::load(qt + j * MB + v * kW);
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) cs::store(st + t * MB + v * kW, a[v]);
+  }
+}
+
+// acc [MB, d] += P [MB, nt] V [nt, d], P given transposed (st[t * MB + x]); d % kW == 0.
+template <int NV>
+__attribute__((noinline)) void pv(const float* st, const float* vc, int64_t nt, int64_t d, float* acc) {
+  constexpr int64_t MB = Tile<NV>::MB;
+  constexpr int RU = Tile<NV>::RU;
+  for (int64_t x = 0; x < MB; x += RU) {
+    float* o = acc + x * d;  // row x + u at o[u * d]
+    int64_t jd = 0;
+    for (; jd + 2 * kW <= d; jd += 2 * kW) {
+      vf a[RU][2];
+#pragma GCC unroll 6
+      for (int u = 0; u < RU; ++u) { a[u][0] = cs::load(o + u * d + jd); a[u][1] = cs::load(o + u * d + jd + kW); }
+      for (int64_t t = 0; t < nt; ++t) {
+        vf v0 = cs::load(vc + t * d + jd), v1 = cs::load(vc + t * d + jd + kW);
+        cs::keep(v0);
+        cs::keep(v1);
+        const float* p = st + t * MB + x;
+#pragma GCC unroll 6
+        for (int u = 0; u < RU; ++u) { a[u][0] += p[u] * v0; a[u][1] += p[u] * v1; }
+      }
+#pragma GCC unroll 6
+      for (int u = 0; u < RU; ++u) { cs::store(o + u * d + jd, a[u][0]); cs::store(o + u * d + jd + kW, a[u][1]); }
+    }
+    for (; jd < d; jd += kW) {
+      vf a[RU];
+#pragma GCC unroll 6
+      for (int u = 0; u < RU; ++u) a[u] = cs::load(o + u * d + jd);
+      for (int64_t t = 0; t < nt; ++t) {
+        const vf v0 = cs::load(vc + t * d + jd);
+        const float* p = st + t * MB + x;
+#pragma GCC unroll 6
+        for (int u = 0; u < RU; ++u) a[u] += p[u] * v0;
+      }
+#pragma GCC unroll 6
+      for (int u = 0; u < RU; ++u) cs::store(o + u * d + jd, a[u]);
+    }
+  }
+}
+
+template <typename T>
+const float* as_f32(const T* src, int64_t n, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    for (int64_t x = 0; x < n; ++x) buf[x] = cs::to_f(src[x]);
+    return buf.data();
+  }
+}
+
+// Query row x (0 <= x < M) of head h in run rows [i, j): batch row i + x / g, group x % g.
+inline const float* qrow(const RunArgs& a, int64_t i, int64_t h, int64_t x) {
+  return a.q + (((i + x / a.g) * a.hkv + h) * a.g + x % a.g) * a.d;
+}
+
+template <typename T, int NV>
+void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
+  constexpr int64_t MB = Tile<NV>::MB;
+  const int64_t d = a.d, i = a.rows[2 * r], M = (a.rows[2 * r + 1] - i) * a.g;
+  const int64_t nrb = (M + MB - 1) / MB, Mp = nrb * MB;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float* qt = w.qt.data();  // [nrb, d, MB]
+  for (int64_t rb = 0; rb < nrb; ++rb)
+    for (int64_t x = 0; x < MB; ++x) {
+      const int64_t row = rb * MB + x;
+      const float* src = row < M ? qrow(a, i, h, row) : nullptr;
+      for (int64_t j = 0; j < d; ++j) qt[(rb * d + j) * MB + x] = src ? src[j] : 0.f;
+    }
+  float *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data(), *st = w.st.data();
+  std::memset(acc, 0, sizeof(float) * Mp * d);
+  for (int64_t x = 0; x < Mp; ++x) { m[x] = ninf; l[x] = 0.f; }
+  const int64_t c0 = a.cptr[r], P = a.cptr[r + 1] - c0;
+  const int64_t cps = (P + a.nsplit - 1) / a.nsplit, p0 = s * cps, p1 = std::min(P, p0 + cps);
+  const T* kbase = static_cast<const T*>(a.k) + h * a.hs;
+  const T* vbase = static_cast<const T*>(a.v) + h * a.hs;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t nt = a.tokens[c0 + p];
+    if (nt <= 0) continue;
+    const int64_t ch = a.chunks[c0 + p];
+    const float* kc = as_f32(kbase + ch * a.cs, nt * d, w.kf);
+    const float* vc = as_f32(vbase + ch * a.cs, nt * d, w.vf_);
+    for (int64_t rb = 0; rb < nrb; ++rb) {
+      scores<NV>(qt + rb * d * MB, kc, nt, d, st);
+      float* mr = m + rb * MB;
+      float* lr = l + rb * MB;
+      float* ar = acc + rb * MB * d;
+      alignas(64) float alpha[MB];
+      for (int v = 0; v < NV; ++v) {
+        const int64_t o = v * kW;
+        vf mx = cs::load(st + o);
+        for (int64_t t = 1; t < nt; ++t) mx = cs::vmax(mx, cs::load(st + t * MB + o));
+        const vf mo = cs::load(mr + o), mn = cs::vmax(mo, mx);
+        vf sum{};
+        for (int64_t t = 0; t < nt; ++t) {
+          const vf e = cs::vexp(cs::load(st + t * MB + o) - mn);
+          cs::store(st + t * MB + o, e);
+          sum += e;
+        }
+        const vf al = cs::vexp(mo - mn);  // 0 where m was -inf
+        cs::store(lr + o, cs::load(lr + o) * al + sum);
+        cs::store(mr + o, mn);
+        cs::store(alpha + o, al);
+      }
+      for (int64_t x = 0; x < MB; ++x) {
+        if (alpha[x] == 1.f) continue;
+        float* ox = ar + x * d;
+        const vf av = cs::splat(alpha[x]);
+        for (int64_t jd = 0; jd < d; jd += kW) cs::store(ox + jd, cs::load(ox + jd) * av);
+      }
+      pv<NV>(st, vc, nt, d, ar);
+    }
+  }
+  const bool direct = a.nsplit == 1;
+  for (int64_t x = 0; x < M; ++x) {
+    const int64_t slot = ((r * a.hkv + h) * a.nsplit + s) * a.mmax + x;
+    float* od = direct ? a.o + (r * a.b * a.hkv * a.g) * d + (qrow(a, i, h, x) - a.q) : a.so + slot * d;
+    float* ld = direct ? a.lse + r * a.b * a.hkv * a.g + (qrow(a, i, h, x) - a.q) / d : a.slse + slot;
+    if (l[x] > 0.f) {
+      const float inv = 1.f / l[x];
+      for (int64_t j = 0; j < d; ++j) od[j] = acc[x * d + j] * inv;
+      *ld = m[x] + std::log(l[x]);
+    } else {
+      std::memset(od, 0, sizeof(float) * d);
+      *ld = ninf;
+    }
+  }
+}
+
+void merge(const RunArgs& a, int64_t r, int64_t h) {
+  const int64_t d = a.d, i = a.rows[2 * r], M = (a.rows[2 * r + 1] - i) * a.g, S = a.nsplit;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t x = 0; x < M; ++x) {
+    const int64_t off = qrow(a, i, h, x) - a.q;
+    float* od = a.o + r * a.b * a.hkv * a.g * d + off;
+    float* ld = a.lse + r * a.b * a.hkv * a.g + off / d;
+    float mx = ninf;
+    for (int64_t s = 0; s < S; ++s) mx = std::max(mx, a.slse[((r * a.hkv + h) * S + s) * a.mmax + x]);
+    std::memset(od, 0, sizeof(float) * d);
+    if (mx == ninf) { *ld = ninf; continue; }
+    float tot = 0.f;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t slot = ((r * a.hkv + h) * S + s) * a.mmax + x;
+      if (a.slse[slot] == ninf) continue;
+      const float wgt = std::exp(a.slse[slot] - mx);
+      tot += wgt;
+      for (int64_t j = 0; j < d; ++j) od[j] += wgt * a.so[slot * d + j];
+    }
+    for (int64_t j = 0; j < d; ++j) od[j] /= tot;
+    *ld = mx + std::log(tot);
+  }
+}
+
+template <typename T, int NV>
+void run(const RunArgs& a, int nthreads) {
+  constexpr int64_t MB = Tile<NV>::MB;
+  const int64_t items = a.R * a.hkv * a.nsplit;
+  const int64_t mp = (a.mmax + MB - 1) / MB * MB;
+#pragma omp parallel num_threads(nthreads)
+  {
+    Scratch w;
+    w.qt.resize(mp * a.d);
+    w.acc.resize(mp * a.d);
+    w.m.resize(mp);
+    w.l.resize(mp);
+    w.st.resize(a.c * MB);
+    if constexpr (!std::is_same_v<T, float>) {
+      w.kf.resize(a.c * a.d);
+      w.vf_.resize(a.c * a.d);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it)
+      run_item<T, NV>(a, it / (a.hkv * a.nsplit), (it / a.nsplit) % a.hkv, it % a.nsplit, w);
+    if (a.nsplit > 1) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t rh = 0; rh < a.R * a.hkv; ++rh) merge(a, rh / a.hkv, rh % a.hkv);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int cs_vector_width() { return kW; }
+
+// dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or a negative code for unsupported arguments.
+int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
+                     const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
+                     int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
+                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads) {
+  if (d < 1 || d % kW != 0 || c < 1 || nsplit < 1 || g < 1) return -1;
+  if (nsplit > 1 && (so == nullptr || slse == nullptr)) return -2;
+  const RunArgs a{q, k, v, hs, cs, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so, slse, o, lse};
+  if (nthreads < 1) nthreads = 1;
+  // row blocks of 3 vectors (the better tile) unless 2 pad the runs' rows less
+  int64_t pad2 = 0, pad3 = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t M = (rows[2 * r + 1] - rows[2 * r]) * g;
+    pad2 += (M + 2 * kW - 1) / (2 * kW) * (2 * kW) - M;
+    pad3 += (M + 3 * kW - 1) / (3 * kW) * (3 * kW) - M;
+  }
+  const bool three = pad3 <= pad2;
+  switch (dtype) {
+    case 0: three ? run<float, 3>(a, nthreads) : run<float, 2>(a, nthreads); return 0;
+    case 1: three ? run<cs::Bf16, 3>(a, nthreads) : run<cs::Bf16, 2>(a, nthreads); return 0;
+    case 2: three ? run<_Float16, 3>(a, nthreads) : run<_Float16, 2>(a, nthreads); return 0;
+    default: return -3;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,105 @@
+"""The CPU phase-1 kernel (``cs_run_attention``): every run's stacked queries against its chunks, read
+in place, checked against float64 per-run references, for both row-block tiles, splits and threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chunkserve.kernels import cpu_kernel
+from chunkserve.kernels.cpu_kernel import RunTable, run_attention
+from chunkserve.kernels.testing import sdpa_reference
+from chunkserve.kernels.torch_ops import Workspace
+
+pytestmark = pytest.mark.skipif(cpu_kernel.load_cpu_kernel() is None, reason="no C++ compiler for the CPU kernel")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _pools(gen: torch.Generator, hkv: int, n: int, c: int, d: int, dtype: torch.dtype):
+    """NaN-filled pools: any slot a kernel reads without writing it first poisons the result."""
+    k = torch.full((hkv, n, c, d), float("nan"), dtype=dtype)
+    v = torch.full((hkv, n, c, d), float("nan"), dtype=dtype)
+    return k, v
+
+
+def _fill(gen, k, v, chunks: list[int], tokens: list[int]) -> None:
+    hkv, _n, _c, d = k.shape
+    for ch, nt in zip(chunks, tokens, strict=True):
+        k[:, ch, :nt] = torch.randn(hkv, nt, d, generator=gen).to(k.dtype)
+        v[:, ch, :nt] = torch.randn(hkv, nt, d, generator=gen).to(v.dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,hkv,g", [(32, 3, 3), (32, 2, 1), (11, 2, 3), (5, 1, 4)])
+def test_nested_runs_match_float64_references_and_leave_other_rows_alone(check, threads, dtype, b, hkv, g):
+    """Rows [0, b) share a long run, a nested run covers a middle slice, a third run two rows; the
+    row counts exercise both tiles (M a multiple of 2 or of 3 vectors) and a ragged last row block."""
+    gen = torch.Generator().manual_seed(b * 100 + hkv * 10 + g)
+    d, c = 64, 16
+    k_pool, v_pool = _pools(gen, hkv, 64, c, d, dtype)
+    perm = torch.randperm(64, generator=gen).tolist()
+    runs = [(0, b), (b // 4, b // 4 + max(1, b // 2)), (b - 2 if b > 2 else 0, b)]
+    chunk_lists = [tuple(perm[0:9]), tuple(perm[9:12]), tuple(perm[12:13])]
+    token_lists = [(c,) * 8 + (7,), (c, c, 3), (1,)]  # partly filled chunks: slots past them hold NaN
+    for cl, tl in zip(chunk_lists, token_lists, strict=True):
+        _fill(gen, k_pool, v_pool, list(cl), list(tl))
+    table = RunTable.build(runs, chunk_lists, token_lists)
+    q = torch.randn(b, hkv, g, d, generator=gen)
+    part_o = torch.full((4, b, hkv, g, d), 7.0)
+    part_lse = torch.full((4, b, hkv, g), 7.0)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        run_attention(cpu_kernel.load_cpu_kernel(), q, k_pool, v_pool, table, d**-0.5, part_o, part_lse, Workspace())
+    finally:
+        torch.set_num_threads(old)
+    tol = 1e-5 if dtype == torch.float32 else check.tol[dtype]
+    for r, ((i, j), cl, tl) in enumerate(zip(runs, chunk_lists, token_lists, strict=True)):
+        keys = torch.cat([k_pool[:, ch, :nt] for ch, nt in zip(cl, tl, strict=True)], 1)  # [Hkv, T, D]
+        vals = torch.cat([v_pool[:, ch, :nt] for ch, nt in zip(cl, tl, strict=True)], 1)
+        for h in range(hkv):
+            qh = q[i:j, h].reshape(-1, d)  # [(j-i)*g, D]
+            ref = sdpa_reference(qh, keys[h : h + 1], vals[h : h + 1], d**-0.5)  # one KV head, M query heads
+            assert check.rel_err(part_o[r, i:j, h].reshape(-1, d), ref) < tol, (r, h)
+            lse = torch.logsumexp((qh.double() @ keys[h].double().T) * d**-0.5, -1)
+            assert torch.allclose(part_lse[r, i:j, h].reshape(-1).double(), lse, atol=1e-3), (r, h)
+        outside = torch.ones(b, dtype=torch.bool)
+        outside[i:j] = False
+        assert (part_o[r, outside] == 7.0).all() and (part_lse[r, outside] == 7.0).all()
+    assert (part_o[3] == 7.0).all()  # a slot past the runs is never written
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_long_run_with_few_heads_is_split_and_merged_exactly(check, threads):
+    """Runs x heads < 4 threads: the run's chunks are split into ranges merged by log-sum-exp."""
+    gen = torch.Generator().manual_seed(3)
+    b, hkv, g, d, c = 4, 1, 3, 64, 16
+    k_pool, v_pool = _pools(gen, hkv, 80, c, d, torch.float32)
+    chunks = tuple(torch.randperm(80, generator=gen)[:64].tolist())
+    tokens = (c,) * 63 + (9,)
+    _fill(gen, k_pool, v_pool, list(chunks), list(tokens))
+    table = RunTable.build([(0, b)], [chunks], [tokens])
+    q = torch.randn(b, hkv, g, d, generator=gen)
+    part_o, part_lse = torch.empty(1, b, hkv, g, d), torch.empty(1, b, hkv, g)
+    ws = Workspace()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        run_attention(cpu_kernel.load_cpu_kernel(), q, k_pool, v_pool, table, d**-0.5, part_o, part_lse, ws)
+    finally:
+        torch.set_num_threads(old)
+    assert "cpuk_run_so" in ws._bufs  # the split scratch was used: the run really was split
+    keys = torch.cat([k_pool[0, ch, :nt] for ch, nt in zip(chunks, tokens, strict=True)])  # [T, D]
+    vals = torch.cat([v_pool[0, ch, :nt] for ch, nt in zip(chunks, tokens, strict=True)])
+    qh = q[:, 0].reshape(-1, d)
+    ref = sdpa_reference(qh, keys[None], vals[None], d**-0.5)
+    assert check.rel_err(part_o[0, :, 0].reshape(-1, d), ref) < 1e-5
+
+
+def test_head_dim_that_is_not_a_multiple_of_the_vector_width_is_not_offered_to_the_kernel():
+    kern = cpu_kernel.load_cpu_kernel()
+    d = kern.vector_width + 2
+    q = torch.zeros(2, 1, 1, d)
+    pool = torch.zeros(1, 4, 16, d)
+    assert kern.supports(q, pool) and not kern.supports_runs(q, pool)
