@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,3 +155,9 @@ def test_targets_compare_ours_against_the_peer() -> None:
     assert [r["verdict"] for r in rows.values()] == ["PASS", "PASS", "FAIL", "PASS", "MISSING"]
     assert rows["first time: TTFT p50 <= 1/15"]["ratio"] == pytest.approx(0.05)
     assert "MISSING" in report.targets_table(list(rows.values()), "us", "peer")
+
+
+def test_bench_serve_never_imports_torch() -> None:
+    code = ("import sys, chunkserve.tools.bench_serve, chunkserve.tools.report, chunkserve.tools.procs; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=300).returncode == 0
