@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]  # x: [T, K] -> y: [T, N]
-QUANT_MODES = ("int8",)
+QUANT_MODES = ("int8", "int4")  # int4: block-quantised, see workers/quant.py
 _INT8_MAX = 127
 
 

@@ -24,11 +24,12 @@ from chunkserve.workers.linear import (
     packed_linear,
     plain_linear,
 )
+from chunkserve.workers.quant import BlockWeight, Q4Weight, Q8Weight, block_linear
 from chunkserve.workers.rope import rope_inv_freq
 
 __all__ = ["AttentionFn", "CausalLM", "DenseCausalAttention", "LayerWeights", "Weight", "rope_inv_freq"]
 
-Weight = torch.Tensor | Int8Weight  # a matmul weight: dense in the model dtype, or weight-only int8
+Weight = torch.Tensor | Int8Weight | BlockWeight  # a matmul weight: dense in the model dtype, or quantised
 
 
 class AttentionFn(Protocol):
@@ -101,6 +102,9 @@ class CausalLM:
         if isinstance(w, Int8Weight):
             fn = int8_linear(w, b, self.dtype)
             return fn, fn
+        if isinstance(w, Q4Weight | Q8Weight):
+            fn = block_linear(w, b, self.dtype)
+            return fn, fn
         if packed is None:
             fn = plain_linear(w, b)
             return fn, fn
@@ -115,7 +119,10 @@ class CausalLM:
             pairs = [self._linear_fns(w, b, p) for (w, b), p in zip(lw.matmuls(), pk, strict=True)]
             self._fns_row.append(tuple(p[0] for p in pairs))
             self._fns_rows.append(tuple(p[1] for p in pairs))
-        self._head = self._linear_fns(self.lm_head, None, self._packed_head)[1]  # as fast or faster there
+        if isinstance(self.lm_head, Q4Weight | Q8Weight):  # fp32 logits straight from the kernel
+            self._head = block_linear(self.lm_head, None, self.dtype, torch.float32)
+        else:
+            self._head = self._linear_fns(self.lm_head, None, self._packed_head)[1]  # as fast or faster there
 
     def prepack(self, batch_hint: int = 32) -> bool:
         """Reorder the dense matmul weights once into oneDNN's blocked layout (CPU fp32/bf16); returns whether.
@@ -140,7 +147,7 @@ class CausalLM:
                 return False
 
             def pack(w: Weight) -> torch.Tensor | None:
-                return None if isinstance(w, Int8Weight) else pack_weight(w, batch_hint)
+                return pack_weight(w, batch_hint) if isinstance(w, torch.Tensor) else None
 
             self._packed = [tuple(pack(w) for w, _ in lw.matmuls()) for lw in self.layers]
             self._packed_head = pack(self.lm_head)
@@ -151,29 +158,41 @@ class CausalLM:
         self._bind()
         return True
 
-    def quantize(self, mode: str, *, lm_head: bool = False) -> None:
-        """Weight-only quantisation of every layer's linears (and of the lm_head with `lm_head=True`).
+    def quantize(self, mode: str, *, lm_head: bool | None = None) -> None:
+        """Quantise every layer's linears (and the lm_head: by default for "int4", not for "int8").
 
-        mode: "int8" (per-output-channel symmetric, see `Int8Weight`). The embedding table stays dense
-        (a tied lm_head gets its own int8 copy); norms and biases stay in the model dtype. The dense
-        matmul weights (and their packed copies) are released. The lm_head stays dense by default: on
-        SmolLM2-135M an int8 head is ~10% faster at batch 1 but slower at batch 32 and halves the greedy
-        agreement with fp32 (benchmarks/bench_quant.py).
+        mode "int8": weight-only per-output-channel symmetric int8 (`Int8Weight`); activations stay in the
+        model dtype. An int8 lm_head is ~10% faster at batch 1 on SmolLM2-135M but slower at batch 32 and
+        halves the greedy agreement with fp32 (benchmarks/bench_quant.py), so it stays dense by default.
+        mode "int4": llama.cpp's Q4_1 layers and a Q8_0 lm_head (`workers/quant.py`: blocks of 32, the
+        activations quantised to int8 per block inside the matmul); the embedded SmolLM2 GGUF is Q4_1/Q8_0,
+        so this re-creates its weights. The embedding table stays dense (a tied lm_head gets its own
+        quantised copy); norms and biases stay in the model dtype. The dense matmul weights (and their
+        packed copies) are released.
         """
         if mode not in QUANT_MODES:
             raise ValueError(f"unsupported quantization {mode!r}; expected one of {QUANT_MODES} or None")
         if self.quantization is not None:
             raise ValueError(f"the model is already quantised ({self.quantization})")
+        if mode == "int4" and any(w.shape[1] % 32 for lw in self.layers for w, _ in lw.matmuls()):
+            raise ValueError("int4 quantisation needs every linear's input size to be a multiple of 32")
 
-        def q(w: Weight) -> Int8Weight:
-            return w if isinstance(w, Int8Weight) else Int8Weight.quantize(w)
+        def q(w: Weight) -> Weight:
+            if not isinstance(w, torch.Tensor):
+                return w
+            return Q4Weight.quantize(w) if mode == "int4" else Int8Weight.quantize(w)
 
         self.layers = [LayerWeights(
             ln1=lw.ln1, w_qkv=q(lw.w_qkv), b_qkv=lw.b_qkv, w_o=q(lw.w_o), b_o=lw.b_o, ln2=lw.ln2,
             w_gate_up=q(lw.w_gate_up), b_gate_up=lw.b_gate_up, w_down=q(lw.w_down), b_down=lw.b_down,
         ) for lw in self.layers]
-        if lm_head:
-            self.lm_head = q(self.lm_head)
+        if lm_head is None:
+            lm_head = mode == "int4"
+        if lm_head and isinstance(self.lm_head, torch.Tensor):
+            if mode == "int4" and self.lm_head.shape[1] % 32 == 0:
+                self.lm_head = Q8Weight.quantize(self.lm_head)
+            else:
+                self.lm_head = q(self.lm_head)
         self.quantization = mode
         repack = self._packed is not None
         self._packed = self._packed_head = None  # the packed dense copies go with the dense weights
@@ -290,7 +309,7 @@ class CausalLM:
         return {k: v.contiguous() for k, v in sd.items()}
 
     def _dense(self, w: Weight) -> torch.Tensor:
-        return w.dequantize(self.dtype) if isinstance(w, Int8Weight) else w
+        return w if isinstance(w, torch.Tensor) else w.dequantize(self.dtype)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]: transformers' formula (fp32 statistics, cast back to x's dtype *before* the

@@ -73,7 +73,7 @@ def test_quantised_random_model_tracks_fp32_and_exports_dequantised_weights() ->
         model.quantize("int8")
 
 
-@pytest.mark.parametrize("bad", ["int4", "INT8", "fp8", ""])
+@pytest.mark.parametrize("bad", ["int3", "INT8", "fp8", ""])
 def test_invalid_quantization_value_raises_value_error(bad: str) -> None:
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(model="random:tiny", quantization=bad)

@@ -1,0 +1,126 @@
+"""Block-quantised int4 (Q4_1) / int8 (Q8_0) linears: the quantisers, the CPU kernel, the model's "int4" mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chunkserve.workers.config import preset_config
+from chunkserve.workers.engine import EngineConfig, EngineCore
+from chunkserve.workers.model import CausalLM, DenseCausalAttention
+from chunkserve.workers.quant import Q4Weight, Q8Weight, block_linear, load_kernel
+from chunkserve.workers.sampling import SamplingParams
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, n)[:, None]  # rows over 3 decades
+    w[3] = 0.25  # a constant row: every block has max == min
+    return w
+
+
+def test_q4_1_dequantised_weights_are_within_half_a_step_of_each_block() -> None:
+    w = _weight(24, 96, 0)
+    qw = Q4Weight.quantize(w)
+    assert qw.q.dtype == torch.uint8 and qw.q.shape == (24, 48) and qw.d.shape == qw.m.shape == (24, 3)
+    assert qw.shape == w.shape
+    err = (qw.dequantize() - w).abs().reshape(24, 3, 32).amax(-1)  # [24, 3]
+    step = qw.d.float()
+    # half a step, plus fp16 rounding of the minimum (relative 2^-11 of the block's values)
+    bound = step / 2 + w.abs().reshape(24, 3, 32).amax(-1) * 2**-10 + 1e-7
+    assert bool((err <= bound).all())
+    assert bool((err > 0).any())
+    assert torch.equal(qw.dequantize()[3], torch.full((96,), 0.25))
+
+
+def test_requantising_dequantised_block_weights_gives_the_same_weights_back() -> None:
+    # what makes "int4" reproduce the embedded GGUF's Q4_1 layers and Q8_0 embedding
+    w = _weight(16, 64, 1)
+    for cls in (Q4Weight, Q8Weight):
+        once = cls.quantize(w).dequantize()
+        assert torch.equal(cls.quantize(once).dequantize(), once), cls.__name__
+
+
+def test_q8_0_dequantised_weights_are_within_one_254th_of_each_blocks_max() -> None:
+    w = _weight(24, 96, 2)
+    qw = Q8Weight.quantize(w)
+    assert qw.q.dtype == torch.int8 and int(qw.q.abs().max()) <= 127 and qw.d.shape == (24, 3)
+    blocks = w.abs().reshape(24, 3, 32).amax(-1)
+    err = (qw.dequantize() - w).abs().reshape(24, 3, 32).amax(-1)
+    assert bool((err <= blocks / 254 + blocks * 2**-10 + 1e-7).all())
+
+
+@pytest.mark.parametrize("cls", [Q4Weight, Q8Weight])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_linear_matches_the_dequantised_matmul_up_to_int8_activation_rounding(cls: type, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(72, 128, generator=g), torch.randn(72, generator=g)
+    qw = cls.quantize(w)
+    for rows in (1, 3, 70):  # 70 rows: more than one activation tile
+        x = torch.randn(rows, 128, generator=g).to(dtype)
+        got = block_linear(qw, b.to(dtype), dtype)(x)
+        want = F.linear(x.float(), qw.dequantize(), b)
+        assert got.dtype == dtype and got.shape == (rows, 72)
+        rel = ((got.float() - want).norm() / want.norm()).item()
+        assert rel < 2e-2, rel  # int8 activations per block of 32: ~0.5% measured
+
+
+def test_block_linear_rows_do_not_depend_on_the_batch_or_the_thread_count() -> None:
+    if load_kernel() is None:
+        pytest.skip("no C++ compiler: the fallback is F.linear")
+    g = torch.Generator().manual_seed(4)
+    qw = Q4Weight.quantize(torch.randn(512, 256, generator=g))
+    fn = block_linear(qw, None, torch.float32)
+    x = torch.randn(9, 256, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn(x)
+        torch.set_num_threads(max(2, threads))
+        many = fn(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    for i in (0, 4, 8):
+        assert torch.equal(fn(x[i:i + 1])[0], one[i])
+
+
+def test_block_quantisation_rejects_input_sizes_that_are_not_multiples_of_32() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q4Weight.quantize(torch.randn(8, 40))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q8Weight.quantize(torch.randn(8, 40))
+
+
+def test_int4_model_has_q4_layers_a_q8_head_and_computes_its_dequantised_weights() -> None:
+    cfg = preset_config("tiny")
+    ref = CausalLM.random(cfg, seed=3, std=0.1)
+    model = CausalLM.random(cfg, seed=3, std=0.1)
+    model.quantize("int4")
+    assert model.quantization == "int4" and isinstance(model.lm_head, Q8Weight)
+    assert all(isinstance(w, Q4Weight) for lw in model.layers for w, _ in lw.matmuls())
+    assert torch.equal(model.embed, ref.embed)  # the embedding table stays dense
+    sd = model.state_dict()  # dequantised layers (the tied head is the dense embedding)
+    assert sd.keys() == ref.state_dict().keys()
+    assert not torch.equal(sd["model.layers.0.mlp.up_proj.weight"], ref.state_dict()["model.layers.0.mlp.up_proj.weight"])
+    deq = CausalLM.from_state_dict(cfg, sd)
+    ids, pos = torch.arange(5, 25), torch.arange(20)
+    a = deq.compute_logits(deq.forward(ids, pos, DenseCausalAttention(cfg.num_layers)))
+    b = model.compute_logits(model.forward(ids, pos, DenseCausalAttention(cfg.num_layers)))
+    assert b.dtype == torch.float32 and not torch.equal(a, b)
+    rel = ((a - b).norm() / a.norm()).item()
+    assert rel < 0.05, rel  # only the int8 activations (and the Q8_0 head) differ
+    with pytest.raises(ValueError, match="already"):
+        model.quantize("int4")
+
+
+def test_engine_int4_option_decodes_a_request() -> None:
+    core = EngineCore(EngineConfig(model="random:tiny", dtype="float32", chunk_size=16, num_kv_chunks=16,
+                                   quantization="int4"))
+    assert core.model.quantization == "int4"
+    core.add_request("a", [3, 4, 5, 6], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    out = []
+    while core.has_work():
+        out += core.step()
+    assert out and len(out[-1].req.output) == 5

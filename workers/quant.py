@@ -1,0 +1,230 @@
+"""Block-quantised int4/int8 linears for the CPU (llama.cpp's Q4_1 and Q8_0), through ``csrc/qmatmul.cpp``.
+
+`Q4Weight` (Q4_1): blocks of 32 along K, w = d * q + m with q in [0, 15] and fp16 d, m per block (5 bits
+per weight). `Q8Weight` (Q8_0): blocks of 32, w = d * q with q in [-127, 127] and an fp16 d per block
+(8.5 bits per weight). The embedded SmolLM2 GGUF stores its layers as Q4_1 and its tied embedding as Q8_0,
+both in blocks of 32 along K, so re-quantising its dequantised weights gives back the GGUF's values.
+
+`block_linear` multiplies with the activations quantised per row and per block of 32 to int8 (as
+llama.cpp's Q8_1): one integer dot product per block (vpmaddubsw on AVX2). That is not weight-only: the
+activation rounding is part of the quality `benchmarks/bench_quant.py` reports. Every output element is
+the same sum in the same order whatever the batch and thread count (batch-invariant, deterministic).
+
+The kernel is compiled with the system C++ compiler (``-O3 -march=native -fopenmp``, a few seconds) on
+first use and cached under ``$CHUNKSERVE_CACHE/ext`` keyed by source, compiler and CPU flags; without a
+compiler (or off the CPU) `block_linear` dequantises per call and uses ``F.linear`` (slow, but the same
+weights; the activations then stay unquantised).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from chunkserve.workers.linear import LinearFn
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("csrc") / "qmatmul.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
+BLOCK = 32
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+SERIAL_WORK = 1 << 17  # int8 multiply-adds (M * N * K) below which one thread does the call
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """Q4_1 weight of logical shape [N, K]: q [N, K/2] uint8 (two 4-bit values a byte, llama.cpp's order:
+    byte j of a block holds element j low and element j + 16 high), d and m [N, K/32] fp16."""
+
+    q: torch.Tensor  # [N, K/2] uint8
+    d: torch.Tensor  # [N, K/32] fp16
+    m: torch.Tensor  # [N, K/32] fp16
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> Q4Weight:
+        """w: [N, K] (K % 32 == 0), any float dtype. Per block: m = min, d = (max - min) / 15, both rounded to
+        fp16 first, then q = round((w - m) / d) clamped to [0, 15] against the stored values."""
+        n, k = _check_shape(w)
+        wf = w.detach().float().reshape(n, k // BLOCK, BLOCK)  # [N, B, 32]
+        lo, hi = wf.amin(-1), wf.amax(-1)  # [N, B]
+        m = lo.half()
+        d = ((hi - m.float()) / 15).half()
+        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))  # constant blocks: q = 0
+        q = torch.round((wf - m.float()[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)  # [N, B, 32]
+        packed = q[..., :16] | (q[..., 16:] << 4)  # [N, B, 16]
+        return cls(packed.reshape(n, k // 2).contiguous(), d.contiguous(), m.contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.q.shape[0], self.q.shape[1] * 2))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype` (computed in fp32, rounded once)."""
+        n, k = self.shape
+        p = self.q.reshape(n, k // BLOCK, 16)
+        q = torch.cat((p & 0x0F, p >> 4), -1).float()  # [N, B, 32]
+        w = q * self.d.float()[..., None] + self.m.float()[..., None]
+        return w.reshape(n, k).to(dtype)
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """Q8_0 weight [N, K]: q [N, K] int8 in [-127, 127], d [N, K/32] fp16 (d = amax / 127 per block)."""
+
+    q: torch.Tensor  # [N, K] int8
+    d: torch.Tensor  # [N, K/32] fp16
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> Q8Weight:
+        n, k = _check_shape(w)
+        wf = w.detach().float().reshape(n, k // BLOCK, BLOCK)  # [N, B, 32]
+        d = (wf.abs().amax(-1) / 127).half()  # [N, B]
+        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+        q = torch.round(wf * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q.reshape(n, k).contiguous(), d.contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        w = self.q.reshape(n, k // BLOCK, BLOCK).float() * self.d.float()[..., None]
+        return w.reshape(n, k).to(dtype)
+
+
+BlockWeight = Q4Weight | Q8Weight
+
+
+def _check_shape(w: torch.Tensor) -> tuple[int, int]:
+    if w.dim() != 2 or w.shape[1] % BLOCK:
+        raise ValueError(f"block quantisation needs a 2-D weight with K a multiple of {BLOCK}; got {tuple(w.shape)}")
+    return int(w.shape[0]), int(w.shape[1])
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("CHUNKSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chunkserve")
+    return Path(root) / "ext"
+
+
+def build(force: bool = False) -> Path:
+    """Compile ``csrc/qmatmul.cpp`` for this CPU (or reuse the cached build); RuntimeError when it cannot."""
+    cxx = next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    try:
+        cpu = "\n".join(sorted({ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                                if ln.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        cpu = os.uname().machine
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), cpu]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"qmatmul_{key}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed:\n{res.stderr[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent builders each land a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class _CsQWeight(ctypes.Structure):
+    """``CsQWeight`` of the source: the constant arguments of one bound weight."""
+
+    _fields_ = [("wtype", ctypes.c_int32), ("ydtype", ctypes.c_int32), ("wq", ctypes.c_void_p),
+                ("wd", ctypes.c_void_p), ("wm", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+
+
+class QKernel:
+    """ctypes binding of ``cs_q_linear``."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        if lib.cs_q_abi_version() != 2:
+            raise RuntimeError(f"{path} has an unexpected ABI version")
+        fn = lib.cs_q_linear
+        i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        fn.argtypes = [ptr, ptr, cint, i64, i64, ptr, cint]
+        fn.restype = cint
+        self.fn = fn
+        self.simd = bool(lib.cs_q_simd())
+
+
+@functools.cache
+def load_kernel() -> QKernel | None:
+    """The kernel for this process, built on first use; None when disabled (``CHUNKSERVE_QKERNEL=0``) or it
+    cannot be built."""
+    if os.environ.get("CHUNKSERVE_QKERNEL", "1") == "0":
+        return None
+    try:
+        return QKernel(build())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("block-quantised CPU kernel unavailable, dequantising per call: %s", exc)
+        return None
+
+
+def block_linear(w: BlockWeight, b: torch.Tensor | None, dtype: torch.dtype,
+                 out_dtype: torch.dtype | None = None) -> LinearFn:
+    """A bound linear x: [T, K] (model `dtype`) -> y: [T, N] in `out_dtype` (default `dtype`) over `w`."""
+    out_dtype = out_dtype or dtype
+    kern = load_kernel() if w.q.device.type == "cpu" else None
+    if kern is None or dtype not in _DTYPE_CODES or out_dtype not in _DTYPE_CODES:
+        bias = None if b is None else b.to(out_dtype)
+
+        def dequant_run(x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
+            return F.linear(x.to(out_dtype), w.dequantize(out_dtype), bias)
+
+        return dequant_run
+    return _BlockLinear(kern, w, b, dtype, out_dtype)
+
+
+class _BlockLinear:
+    """The kernel's call over one weight; holds the weight, the bias and the argument struct alive."""
+
+    __slots__ = ("addr", "args", "bias", "dtype", "fn", "k", "n", "out_dtype", "serial_rows", "w", "xcode")
+
+    def __init__(self, kern: QKernel, w: BlockWeight, b: torch.Tensor | None, dtype: torch.dtype,
+                 out_dtype: torch.dtype) -> None:
+        self.n, self.k = w.shape
+        is4 = isinstance(w, Q4Weight)
+        self.w, self.bias = w, (None if b is None else b.to(out_dtype).contiguous())
+        self.args = _CsQWeight(0 if is4 else 1, _DTYPE_CODES[out_dtype], w.q.data_ptr(), w.d.data_ptr(),
+                               w.m.data_ptr() if is4 else None,
+                               None if self.bias is None else self.bias.data_ptr(), self.n, self.k)
+        self.addr, self.fn = ctypes.addressof(self.args), kern.fn
+        self.dtype, self.out_dtype, self.xcode = dtype, out_dtype, _DTYPE_CODES[dtype]
+        self.serial_rows = max(1, SERIAL_WORK // (self.n * self.k))  # calls of fewer rows run on one thread
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> y: [T, N]
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        t = x.shape[0]
+        y = torch.empty(t, self.n, dtype=self.out_dtype)
+        rc = self.fn(self.addr, x.data_ptr(), self.xcode, t, x.stride(0), y.data_ptr(),
+                     1 if t < self.serial_rows else torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"cs_q_linear failed with code {rc} (N={self.n} K={self.k} T={t})")
+        return y
