@@ -52,13 +52,14 @@ class Sim:
                 self.done[r.request_id] = self.step
         return sampled
 
-    def drain(self, max_steps: int = 100_000, arrivals: Callable[[int], None] | None = None) -> None:
+    def drain(self, max_steps: int = 20_000, arrivals: Callable[[int], None] | None = None,
+              arrivals_until: int = 0) -> None:
+        """Step until idle; ``arrivals(step)`` is called before each of the first ``arrivals_until`` steps."""
         while self.step < max_steps:
-            if arrivals is not None:
+            if arrivals is not None and self.step < arrivals_until:
                 arrivals(self.step)
-            if not self.sched.has_work():
-                if arrivals is None:
-                    return
+            if not self.sched.has_work() and self.step >= arrivals_until:
+                return
             self.run_step()
 
 

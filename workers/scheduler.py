@@ -259,7 +259,10 @@ class Scheduler:
             need_tokens += 1
         cached = self.cache.match(tokens, req.salt)
         c = self.cache.chunk_size
-        need_chunks = -(-(need_tokens - cached) // c) + 1
+        # the rest of the prompt plus the first decode slot, and a copy-on-write of a partly cached chunk
+        # (the same bound as the engine's KVPoolTooSmallError check, so a request that passed it is admitted
+        # once the pool is otherwise empty)
+        need_chunks = -(-(need_tokens - cached + 1) // c) + (1 if cached % c else 0)
         if need_chunks + self._reserved_chunks() > self.cache.pool.num_free + self.cache.num_evictable:
             return False
         # A fully cached prompt stays shared: its last token then runs as a logits-only row (no K/V write).

@@ -26,9 +26,7 @@ def kv_pressure(max_num_seqs: int, fair_share: bool = True, tenants: int = 1, se
         if step % 2 == 0 and i < len(work):
             sim.add(f"r{i:02d}", work[i][0], work[i][1], tenant=f"t{i % tenants}")
 
-    sim.drain(max_steps=20_000, arrivals=lambda s: arrivals(s) if s < 64 else None)
-    while sim.sched.has_work() and sim.step < 20_000:
-        sim.run_step()
+    sim.drain(arrivals=arrivals, arrivals_until=64)
     ids = sorted(sim.arrival)
     waits = [sim.first[r] - sim.arrival[r] for r in ids]
     overtaken = [sum(1 for s in ids if sim.arrival[s] > sim.arrival[r] and sim.first[s] < sim.first[r])

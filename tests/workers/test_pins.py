@@ -1,0 +1,119 @@
+"""cache_control pins at the worker (issue 16): survival under a flood, TTL expiry, renewal, quotas,
+the pool's pin share, isolation. Driven by `workers/sched_sim.py` (real Scheduler and cache, no model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from chunkserve.workers.cache_control import PinSpec
+from chunkserve.workers.protocol import PinRefusedError
+from chunkserve.workers.sched_sim import make_sim
+
+PREFIX = [random.Random(1).randrange(100, 40000) for _ in range(4096)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def flood(sim, tokens: int, tenant: str = "other", seed: int = 2) -> None:
+    """Distinct prompts of another tenant, ``tokens`` in all, run to completion."""
+    rng = random.Random(seed)
+    for i in range(tokens // 2048):
+        sim.add(f"flood-{seed}-{i}", [rng.randrange(100, 40000) for _ in range(2048)], 2, tenant=tenant)
+    sim.drain()
+
+
+def spec(ttl: float = 300.0, quota: int = 8192, on_full: str = "error") -> PinSpec:
+    return PinSpec(num_tokens=len(PREFIX), ttl_s=ttl, quota_tokens=quota, on_pool_full=on_full)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_pinned_4096_token_prefix_survives_a_flood_of_5x_the_pool(pinned: bool) -> None:
+    sim = make_sim(192)  # 12,288 tokens
+    first = sim.add("a1", PREFIX + [5] * 50, 2, tenant="acme", pin=spec() if pinned else None)
+    sim.drain()
+    assert first.pinned_tokens == (4096 if pinned else 0)
+    assert first.cache_creation_tokens == (4096 if pinned else 0)
+    flood(sim, 5 * 192 * 64)
+    again = sim.add("a2", PREFIX + [6] * 50, 2, tenant="acme")
+    sim.drain()
+    if pinned:
+        assert again.num_cached >= 4032
+    else:
+        assert again.num_cached < 64  # evicted by the flood
+
+
+def test_a_pin_past_its_ttl_is_released_and_then_evicted_like_any_chunk() -> None:
+    clock = Clock()
+    sim = make_sim(192, clock=clock)
+    sim.add("a1", PREFIX, 2, tenant="acme", pin=spec(ttl=300.0))
+    sim.drain()
+    clock.t += 200
+    flood(sim, 2 * 192 * 64, seed=3)
+    assert sim.sched.cache.num_pinned_chunks == 64  # still pinned before the TTL
+    clock.t += 101
+    flood(sim, 2 * 192 * 64, seed=4)  # the first step releases it, the flood then evicts it
+    st = sim.sched.stats()["tenants"]["acme"]
+    assert st["pins_expired"] == 1 and st["pinned_tokens"] == 0
+    assert sim.sched.cache.num_pinned_chunks == 0
+    assert sim.sched.cache.match(PREFIX, b"acme") < 64
+
+
+def test_a_repeat_request_renews_the_ttl() -> None:
+    clock = Clock()
+    sim = make_sim(192, clock=clock)
+    sim.add("a1", PREFIX + [1], 2, tenant="acme", pin=spec(ttl=300.0))
+    sim.drain()
+    clock.t += 250
+    again = sim.add("a2", PREFIX + [2], 2, tenant="acme", pin=spec(ttl=300.0))
+    sim.drain()
+    assert again.pinned_tokens == 4096 and again.cache_creation_tokens == 0  # read, not written
+    clock.t += 100  # 350 s after the first pin, 100 s after the renewal
+    flood(sim, 2 * 192 * 64)
+    st = sim.sched.stats()["tenants"]["acme"]
+    assert st["pins_renewed"] == 1 and st["pins_expired"] == 0 and st["pins"] == 1
+    assert sim.sched.cache.match(PREFIX, b"acme") == 4096
+
+
+def test_the_pinned_token_quota_is_enforced_by_error_or_unpinned_service() -> None:
+    sim = make_sim(256)
+    with pytest.raises(PinRefusedError, match="quota"):
+        sim.add("a1", PREFIX, 2, tenant="acme", pin=spec(quota=2048))
+    assert not sim.sched.has_work()
+    req = sim.add("a2", PREFIX, 2, tenant="acme", pin=spec(quota=2048, on_full="unpinned"))
+    sim.drain()
+    assert req.status.value == "finished" and req.pinned_tokens == 0
+    assert sim.sched.cache.num_pinned_chunks == 0
+    assert sim.sched.stats()["tenants"]["acme"]["pins_refused"] == 2
+
+
+def test_pins_hold_at_most_their_share_of_the_pool_and_never_block_another_tenant() -> None:
+    sim = make_sim(160, max_pinned_fraction=0.5)  # at most 80 chunks pinned
+    sim.add("a1", PREFIX, 2, tenant="a", pin=spec())  # 64 chunks
+    sim.drain()
+    other = [7] * 4096
+    with pytest.raises(PinRefusedError, match="full of pins"):
+        sim.add("b1", other, 2, tenant="b", salt=b"b", pin=spec())
+    # the rest of the pool still serves a large request of another tenant
+    big = sim.add("b2", [8] * (95 * 64 - 10), 4, tenant="b")
+    sim.drain()
+    assert big.status.value == "finished" and len(big.output) == 4
+    assert sim.sched.cache.num_pinned_chunks == 64
+
+
+def test_a_private_pin_is_never_visible_to_another_tenant() -> None:
+    sim = make_sim(192)
+    sim.add("a1", PREFIX, 2, tenant="a", pin=spec())
+    sim.drain()
+    b = sim.add("b1", PREFIX + [3], 2, tenant="b")
+    sim.drain()
+    assert b.num_cached == 0  # b computed it again in its own scope
+    assert sim.sched.cache.num_pinned_chunks == 64  # and b's copy is not pinned
+    assert "b" not in sim.sched.stats()["tenants"] or sim.sched.stats()["tenants"]["b"].get("pins", 0) == 0
