@@ -10,10 +10,12 @@
 # llama.cpp's first pass alone ~4 min). Measure on a quiet machine only: llama.cpp's threads spin while
 # waiting and collapse when another process takes a core.
 #
-# Usage: bash benchmarks/compare_llama.sh [LLAMA_SERVER_BINARY] [OUT_DIR]
+# Usage: bash benchmarks/compare_llama.sh [LLAMA_SERVER_BINARY] [OUT_DIR] [bench serve flags...]
 #   LLAMA_SERVER_BINARY  default $LLAMA_SERVER, else the build of ../shared/tools/build_llama_server.sh in
 #                        its default place (${TMPDIR:-/tmp}/llama-server-build); build it first (~10 min).
 #   OUT_DIR              default results/compare_llama
+#   further arguments go to `chunkserve bench serve` after the workload's flags and override them, e.g. a
+#   smoke run: ... results/smoke --requests-per-tenant 2 --max-tokens 16 --single 1
 #   env: THREADS (llama.cpp -t, default: all cores), CHUNKSERVE_ARGS (extra `chunkserve up` flags, e.g.
 #        "--quantization int8" or "--dtype float32"), SINGLE (lone-stream runs, default 3), PYTHON.
 set -euo pipefail
@@ -21,6 +23,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 BIN=${1:-${LLAMA_SERVER:-${TMPDIR:-/tmp}/llama-server-build/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server}}
 OUT=${2:-results/compare_llama}
+shift $(( $# < 2 ? $# : 2 ))
 if [ ! -x "$BIN" ]; then
   echo "no llama-server at $BIN: build one with bash ../shared/tools/build_llama_server.sh [DEST]" \
        "(it prints the binary's path) and pass that path" >&2
@@ -41,4 +44,4 @@ exec "$PY" -m chunkserve.cli bench serve \
   --endpoint "llama=http://127.0.0.1:$LLAMA" \
   --launch "llama=$BIN -m $GGUF --host 127.0.0.1 --port $LLAMA -np 32 -c 45056 -no-kvu -t ${THREADS:-$(nproc)}" \
   --tenants 4 --requests-per-tenant 8 --system-tokens 1000 --max-tokens 64 --temperature 0 \
-  --passes 2 --single "${SINGLE:-3}" --vs chunkserve,llama --json "$OUT/compare_llama.json"
+  --passes 2 --single "${SINGLE:-3}" --vs chunkserve,llama --json "$OUT/compare_llama.json" "$@"
