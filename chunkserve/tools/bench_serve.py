@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--endpoint", action="append", required=True, metavar="NAME=URL",
                     help="an OpenAI-compatible server's base URL (repeat for several, run in this order)")
     ap.add_argument("--launch", action="append", default=[], metavar="NAME=CMD",
-                    help="start CMD (a shell command) for endpoint NAME's runs and stop it after")
+                    help="start CMD for endpoint NAME's runs and stop it after (run as `bash -c 'exec CMD'`: "
+                    "one command; set variables with `env VAR=value CMD`)")
     ap.add_argument("--launch-timeout", type=float, default=900.0, help="seconds for a launched server to serve")
     ap.add_argument("--model", action="append", default=[], metavar="NAME=MODEL",
                     help="model name to send to endpoint NAME (default: the first of its /v1/models)")
@@ -107,6 +108,19 @@ class Plan:
     request_timeout: float
 
 
+async def warm_up(session: Any, name: str, model: str, api_key: str | None, patience_s: float = 120.0) -> None:
+    """One short unmeasured request; a 503 (a server still loading) is retried for ``patience_s``."""
+    req = workload.ChatRequest("warmup", [{"role": "user", "content": "Hi"}], 0.0)
+    deadline = time.monotonic() + patience_s
+    while True:
+        rec = await client.stream_chat(session, model, req, client.Sampling(max_tokens=4), api_key)
+        if rec.error is None:
+            return
+        if not rec.error.startswith("HTTP 503") or time.monotonic() > deadline:
+            raise RuntimeError(f"{name}: the warm-up request failed: {rec.error}")
+        await asyncio.sleep(1.0)
+
+
 async def bench_endpoint(name: str, url: str, model: str | None, plan: Plan, pid: int | None) -> dict[str, Any]:
     """All runs against one endpoint: a warm-up request, the chat passes, the lone streams."""
     import aiohttp
@@ -121,11 +135,7 @@ async def bench_endpoint(name: str, url: str, model: str | None, plan: Plan, pid
                 raise RuntimeError(f"{name}: {url}/v1/models lists no model; pass --model {name}=MODEL")
             model = models[0]
         out["model"] = model
-        warm = await client.stream_chat(s, model, workload.ChatRequest("warmup", [{"role": "user", "content": "Hi"}],
-                                                                       0.0), client.Sampling(max_tokens=4),
-                                        plan.api_keys.get("*") or next(iter(plan.api_keys.values()), None))
-        if warm.error:
-            raise RuntimeError(f"{name}: the warm-up request failed: {warm.error}")
+        await warm_up(s, name, model, plan.api_keys.get("*") or next(iter(plan.api_keys.values()), None))
         runs: list[tuple[str, list[workload.ChatRequest], int]] = [(f"pass{p + 1}", plan.chats, 1)
                                                                   for p in range(plan.passes)]
         if plan.singles:
