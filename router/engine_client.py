@@ -23,6 +23,7 @@ from chunkserve.workers.protocol import (
     InvalidRequestError,
     InvalidSamplingError,
     KVPoolTooSmallError,
+    PinRefusedError,
     PromptTooLongError,
 )
 from chunkserve.workers.streaming import StreamBatching
@@ -111,6 +112,7 @@ def classify_remote_error(e: Exception) -> Exception:
 _ENGINE_ERRORS: tuple[tuple[type[EngineError], int, str, str | None], ...] = (
     (PromptTooLongError, 413, "invalid_request_error", "context_length_exceeded"),
     (KVPoolTooSmallError, 413, "invalid_request_error", "context_length_exceeded"),
+    (PinRefusedError, 429, "rate_limit_error", "cache_pin_refused"),  # quota or pool share of pins used up
     (InvalidSamplingError, 400, "invalid_request_error", "invalid_value"),
     (InvalidRequestError, 400, "invalid_request_error", None),
     (EngineDeadError, 503, "server_error", "engine_unavailable"),

@@ -128,7 +128,7 @@ def to_openai_request(ingress: Ingress, msg: pb.GenerateRequest, stream: bool
         fields["user"] = msg.user
     try:
         if len(msg.messages):
-            fields["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages]
+            fields["messages"] = [_message(m) for m in msg.messages]
             return ChatCompletionRequest.model_validate(fields)
         fields["prompt"] = msg.prompt if has_prompt else list(msg.prompt_token_ids)
         return CompletionRequest.model_validate(fields)
@@ -136,9 +136,17 @@ def to_openai_request(ingress: Ingress, msg: pb.GenerateRequest, stream: bool
         raise validation_to_api_error(e.errors(include_url=False)) from None
 
 
+def _message(m: pb.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.HasField("cache_control"):  # validated by ChatCompletionRequest (a bad type or ttl is a 400)
+        out["cache_control"] = {"type": m.cache_control.type, "ttl": m.cache_control.ttl or "5m"}
+    return out
+
+
 def _usage(d: Any) -> pb.Usage:
     return pb.Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_output_tokens,
-                    total_tokens=d.num_prompt_tokens + d.num_output_tokens, cached_tokens=d.num_cached_tokens)
+                    total_tokens=d.num_prompt_tokens + d.num_output_tokens, cached_tokens=d.num_cached_tokens,
+                    cache_creation_tokens=getattr(d, "num_cache_creation_tokens", 0))
 
 
 class GrpcServiceMixin:

@@ -31,7 +31,7 @@ from chunkserve.router.openai_api import (
     models_response,
     parse_request,
     sse,
-    usage_body,
+    usage_of,
     validation_to_api_error,
 )
 
@@ -141,7 +141,7 @@ def create_app(ingress: Ingress) -> FastAPI:
         if req.stream:
             return await _start_stream(ingress, prep, _completion_events(ingress, prep))
         text, _tokens, last = await _collect_unless_disconnected(request, ingress, prep)
-        usage = usage_body(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+        usage = usage_of(last)
         return JSONResponse(completion_response(prep.request.request_id, prep.model, prep.created, text,
                                                 last.finish_reason, usage))
 
@@ -153,7 +153,7 @@ def create_app(ingress: Ingress) -> FastAPI:
         if req.stream:
             return await _start_stream(ingress, prep, _chat_events(ingress, prep))
         text, _tokens, last = await _collect_unless_disconnected(request, ingress, prep)
-        usage = usage_body(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+        usage = usage_of(last)
         return JSONResponse(chat_response(prep.request.request_id, prep.model, prep.created, text,
                                           last.finish_reason, usage))
 
@@ -262,7 +262,7 @@ async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[
             raise err
         yield sse(err.body())
     elif prep.include_usage:
-        usage = usage_body(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+        usage = usage_of(last)
         if kind == "chat":
             yield sse(chat_chunk(rid, model, created, None, usage=usage))
         else:

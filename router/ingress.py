@@ -36,6 +36,7 @@ from typing import Any
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.stats import ClusterStatsReader, snapshot_of
+from chunkserve.router.cache_pins import cache_pin_spec, prefix_ids
 from chunkserve.router.engine_client import EngineClient, HandleEngineClient, engine_error_to_api
 from chunkserve.router.failover import ResumedText, rebased, resume_request
 from chunkserve.router.grpc_service import GrpcServiceMixin
@@ -228,13 +229,15 @@ class Ingress(GrpcServiceMixin):
             sampling = self._sampling(req, len(ids))
             await lease.charge(len(ids) + sampling.max_tokens)
             hashes = hash_chain(ids, self.config.chunk_size, tenant.cache_salt, self.config.max_hashed_chunks)
+            pin = await cache_pin_spec(tenant, req, ids, lambda msgs: prefix_ids(self.tokenizer, msgs))
         except RateLimited as e:
             raise _rate_limited(e) from None
         except BaseException:
             await lease.finish()
             raise
         greq = GenerateRequest(request_id=request_id, prompt_token_ids=tuple(ids), sampling=sampling,
-                               cache_salt=tenant.cache_salt, tenant=tenant.id)
+                               cache_salt=tenant.cache_salt, tenant=tenant.id, weight=tenant.weight,
+                               cache_pin=pin)
         return Prepared(tenant=tenant, lease=lease, request=greq, chunk_hashes=hashes, model=req.model,
                         created=int(time.time()), t0=t0, include_usage=req.include_usage)
 

@@ -24,7 +24,7 @@ from chunkserve.workers.linear import (
     packed_linear,
     plain_linear,
 )
-from chunkserve.workers.quant import BlockWeight, Q4Weight, Q8Weight, block_linear
+from chunkserve.workers.quant import BlockWeight, Q4Weight, Q8Weight, block_linear, fused_block_linear
 from chunkserve.workers.rope import rope_inv_freq
 
 __all__ = ["AttentionFn", "CausalLM", "DenseCausalAttention", "LayerWeights", "Weight", "rope_inv_freq"]
@@ -93,6 +93,7 @@ class CausalLM:
         self._fns_row: list[tuple[LinearFn, ...]] = []
         self._fns_rows: list[tuple[LinearFn, ...]] = []
         self._head: LinearFn = plain_linear(embed, None)
+        self._fused = False  # the bound matmuls carry the norms, SwiGLU and residual adds (block-quantised)
         self._bind()
 
     def _linear_fns(self, w: Weight, b: torch.Tensor | None, packed: torch.Tensor | None) -> tuple[LinearFn, LinearFn]:
@@ -113,8 +114,11 @@ class CausalLM:
 
     def _bind(self) -> None:
         """Rebuild the bound matmuls after the weights or their packed copies change."""
-        self._fns_row, self._fns_rows = [], []
-        for i, lw in enumerate(self.layers):
+        fused = self._bind_fused()
+        self._fns_row, self._fns_rows, self._fused = [], [], fused is not None
+        if fused is not None:
+            self._fns_row = self._fns_rows = fused
+        for i, lw in enumerate(self.layers if fused is None else ()):
             pk = self._packed[i] if self._packed is not None else (None, None, None, None)
             pairs = [self._linear_fns(w, b, p) for (w, b), p in zip(lw.matmuls(), pk, strict=True)]
             self._fns_row.append(tuple(p[0] for p in pairs))
@@ -123,6 +127,22 @@ class CausalLM:
             self._head = block_linear(self.lm_head, None, self.dtype, torch.float32)
         else:
             self._head = self._linear_fns(self.lm_head, None, self._packed_head)[1]  # as fast or faster there
+
+    def _bind_fused(self) -> list[tuple[LinearFn, ...]] | None:
+        """Block-quantised layers with the kernel available: (qkv with RMSNorm ln1 in, o, gate_up with RMSNorm
+        ln2 in, down with SwiGLU in) per layer; o and down add into the residual (`f(x, h)`). None otherwise."""
+        if not all(isinstance(w, Q4Weight | Q8Weight) for lw in self.layers for w, _ in lw.matmuls()):
+            return None
+        eps, out = self.config.rms_norm_eps, []
+        for lw in self.layers:
+            fns = (fused_block_linear(lw.w_qkv, lw.b_qkv, self.dtype, norm=(lw.ln1, eps)),  # type: ignore[arg-type]
+                   fused_block_linear(lw.w_o, lw.b_o, self.dtype),  # type: ignore[arg-type]
+                   fused_block_linear(lw.w_gate_up, lw.b_gate_up, self.dtype, norm=(lw.ln2, eps)),  # type: ignore[arg-type]
+                   fused_block_linear(lw.w_down, lw.b_down, self.dtype, glu=True))  # type: ignore[arg-type]
+            if any(f is None for f in fns):
+                return None
+            out.append(fns)
+        return out
 
     def prepack(self, batch_hint: int = 32) -> bool:
         """Reorder the dense matmul weights once into oneDNN's blocked layout (CPU fp32/bf16); returns whether.
@@ -347,6 +367,15 @@ class CausalLM:
         half, qk_size, q_size = d // 2, c.q_size + c.kv_size, c.q_size
         h = self.embed.index_select(0, input_ids)  # [T, H], our own buffer: residual adds go in place
         fns = self._fns_row if t == 1 and torch.get_num_threads() == 1 else self._fns_rows
+        if self._fused:  # norms, SwiGLU and residual adds inside the kernel's calls: 4 calls + RoPE per layer
+            for i, (f_qkv, f_o, f_gate_up, f_down) in enumerate(fns):
+                qkv = f_qkv(h)  # [T, (Hq + 2*Hkv) * D], RMSNorm(ln1) applied to h on the way in
+                qk = qkv[:, :qk_size].view(t, hq + hkv, d)
+                rot = torch.cat((qk[..., half:], qk[..., :half]), -1).mul_(sin).addcmul_(qk, cos)  # [T, Hq+Hkv, D]
+                o = attn(i, rot[:, :hq], rot[:, hq:], qkv[:, qk_size:].view(t, hkv, d))  # [T, Hq, D]
+                f_o(o.reshape(t, q_size), h)  # h += o . W_o^T
+                f_down(f_gate_up(h), h)  # h += SwiGLU(RMSNorm(h) . W_gu^T) . W_down^T
+            return self._rms_norm(h, self.norm)
         for i, (lw, (f_qkv, f_o, f_gate_up, f_down)) in enumerate(zip(self.layers, fns, strict=True)):
             qkv = f_qkv(self._rms_norm(h, lw.ln1))  # [T, (Hq + 2*Hkv) * D]
             qk = qkv[:, :qk_size].view(t, hq + hkv, d)  # q and k heads, RoPE'd in one go

@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "
 BLOCK = 32
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SERIAL_WORK = 1 << 17  # int8 multiply-adds (M * N * K) below which one thread does the call
+FusedLinear = Callable[..., torch.Tensor]  # (x [T, K]) -> y [T, N], or (x, out [T, N]) -> out += x . W^T
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,8 @@ class _CsQWeight(ctypes.Structure):
 
     _fields_ = [("wtype", ctypes.c_int32), ("ydtype", ctypes.c_int32), ("wq", ctypes.c_void_p),
                 ("wd", ctypes.c_void_p), ("wm", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+                ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("norm_w", ctypes.c_void_p),
+                ("eps", ctypes.c_float), ("glu", ctypes.c_int32)]
 
 
 class QKernel:
@@ -161,11 +164,11 @@ class QKernel:
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        if lib.cs_q_abi_version() != 2:
+        if lib.cs_q_abi_version() != 3:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_q_linear
         i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        fn.argtypes = [ptr, ptr, cint, i64, i64, ptr, cint]
+        fn.argtypes = [ptr, ptr, cint, i64, i64, ptr, i64, cint, cint]
         fn.restype = cint
         self.fn = fn
         self.simd = bool(lib.cs_q_simd())
@@ -199,31 +202,59 @@ def block_linear(w: BlockWeight, b: torch.Tensor | None, dtype: torch.dtype,
     return _BlockLinear(kern, w, b, dtype, out_dtype)
 
 
+def fused_block_linear(w: BlockWeight, b: torch.Tensor | None, dtype: torch.dtype, *,
+                       norm: tuple[torch.Tensor, float] | None = None, glu: bool = False) -> FusedLinear | None:
+    """The kernel's linear with a prologue on its input, or None when the kernel is unavailable here.
+
+    norm (weight [K] in `dtype`, eps): RMSNorm of the input first; glu: the input rows hold 2K values
+    (gate, up) and the matmul takes silu(gate) * up. Call as ``f(x)`` or ``f(x, out)`` (out += result, in
+    place). The prologue runs where the activations are quantised anyway, so it costs no extra pass."""
+    kern = load_kernel() if w.q.device.type == "cpu" else None
+    if kern is None or dtype not in _DTYPE_CODES:
+        return None
+    return _BlockLinear(kern, w, b, dtype, dtype, norm=norm, glu=glu)
+
+
 class _BlockLinear:
     """The kernel's call over one weight; holds the weight, the bias and the argument struct alive."""
 
-    __slots__ = ("addr", "args", "bias", "dtype", "fn", "k", "n", "out_dtype", "serial_rows", "w", "xcode")
+    __slots__ = ("addr", "args", "bias", "dtype", "fn", "in_k", "k", "n", "norm_w", "out_dtype", "serial_rows",
+                 "w", "xcode")
 
     def __init__(self, kern: QKernel, w: BlockWeight, b: torch.Tensor | None, dtype: torch.dtype,
-                 out_dtype: torch.dtype) -> None:
+                 out_dtype: torch.dtype, norm: tuple[torch.Tensor, float] | None = None, glu: bool = False) -> None:
         self.n, self.k = w.shape
+        self.in_k = 2 * self.k if glu else self.k  # input columns
         is4 = isinstance(w, Q4Weight)
         self.w, self.bias = w, (None if b is None else b.to(out_dtype).contiguous())
+        self.norm_w = None if norm is None else norm[0].to(dtype).contiguous()  # [K]
+        if self.norm_w is not None and self.norm_w.shape != (self.k,):
+            raise ValueError(f"norm weight of shape {tuple(self.norm_w.shape)} for a linear of input size {self.k}")
         self.args = _CsQWeight(0 if is4 else 1, _DTYPE_CODES[out_dtype], w.q.data_ptr(), w.d.data_ptr(),
                                w.m.data_ptr() if is4 else None,
-                               None if self.bias is None else self.bias.data_ptr(), self.n, self.k)
+                               None if self.bias is None else self.bias.data_ptr(), self.n, self.k,
+                               None if self.norm_w is None else self.norm_w.data_ptr(),
+                               0.0 if norm is None else float(norm[1]), int(glu))
         self.addr, self.fn = ctypes.addressof(self.args), kern.fn
         self.dtype, self.out_dtype, self.xcode = dtype, out_dtype, _DTYPE_CODES[dtype]
         self.serial_rows = max(1, SERIAL_WORK // (self.n * self.k))  # calls of fewer rows run on one thread
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> y: [T, N]
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, K] ([T, 2K] with glu) -> y: [T, N], or out: [T, N] += that, returned
         if x.dtype != self.dtype:
             x = x.to(self.dtype)
         if x.stride(-1) != 1:
             x = x.contiguous()
         t = x.shape[0]
-        y = torch.empty(t, self.n, dtype=self.out_dtype)
-        rc = self.fn(self.addr, x.data_ptr(), self.xcode, t, x.stride(0), y.data_ptr(),
+        if x.dim() != 2 or x.shape[1] != self.in_k:
+            raise ValueError(f"expected input [T, {self.in_k}], got {tuple(x.shape)}")
+        if out is None:
+            y, acc = torch.empty(t, self.n, dtype=self.out_dtype), 0
+        elif out.shape != (t, self.n) or out.dtype != self.out_dtype or out.stride(-1) != 1:
+            raise ValueError(f"out must be [{t}, {self.n}] {self.out_dtype} with unit column stride")
+        else:
+            y, acc = out, 1
+        rc = self.fn(self.addr, x.data_ptr(), self.xcode, t, x.stride(0), y.data_ptr(), y.stride(0), acc,
                      1 if t < self.serial_rows else torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"cs_q_linear failed with code {rc} (N={self.n} K={self.k} T={t})")

@@ -77,15 +77,27 @@ inline float load_x(const void* x, int dtype, int64_t i) {
   return dtype == 0 ? static_cast<const float*>(x)[i] : bf16_to_f(static_cast<const uint16_t*>(x)[i]);
 }
 
-// One row of K values -> K int8, K/32 scales a and K/32 sums s = a * sum(q).
-void quantize_row(const void* x, int dtype, int64_t K, int8_t* q, float* a, float* s) {
-  float buf[kBlock];
+// The row's K inputs in fp32, after the optional prologue: SwiGLU (glu: the row holds 2K values, gate then up;
+// f = silu(gate) * up) and RMSNorm (norm_w: f = f / sqrt(mean(f^2) + eps) * norm_w, statistics in fp32).
+void load_row(const void* x, int dtype, int64_t K, bool glu, const void* norm_w, float eps, float* f) {
+  for (int64_t j = 0; j < K; ++j) f[j] = load_x(x, dtype, j);
+  if (glu) {
+    for (int64_t j = 0; j < K; ++j) f[j] = f[j] / (1.0f + std::exp(-f[j])) * load_x(x, dtype, K + j);
+  }
+  if (norm_w != nullptr) {
+    float ss = 0.0f;
+    for (int64_t j = 0; j < K; ++j) ss += f[j] * f[j];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+    for (int64_t j = 0; j < K; ++j) f[j] = f[j] * inv * load_x(norm_w, dtype, j);
+  }
+}
+
+// One row of K fp32 values -> K int8, K/32 scales a and K/32 sums s = a * sum(q).
+void quantize_row(const float* f, int64_t K, int8_t* q, float* a, float* s) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
+    const float* buf = f + b * kBlock;
     float amax = 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      buf[j] = load_x(x, dtype, b * kBlock + j);
-      amax = std::fmax(amax, std::fabs(buf[j]));
-    }
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(buf[j]));
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
     int32_t sum = 0;
     for (int64_t j = 0; j < kBlock; ++j) {
@@ -212,6 +224,7 @@ struct Args {
   int ydtype;  // 0 fp32, 1 bf16
   int64_t ldy;
   const void* bias;  // ydtype, [N] or null
+  bool accumulate;  // y += x . W^T instead of y =
 };
 
 // Columns [n0, n0 + R) for activation rows [m0, m1).
@@ -232,9 +245,11 @@ void columns(const Args& g, int64_t n0, int64_t m0, int64_t m1) {
       float v = out[r];
       if (g.bias != nullptr) v += load_x(g.bias, g.ydtype, n0 + r);
       if (g.ydtype == 0) {
-        static_cast<float*>(g.y)[m * g.ldy + n0 + r] = v;
+        float* y = static_cast<float*>(g.y) + m * g.ldy + n0 + r;
+        *y = g.accumulate ? *y + v : v;
       } else {
-        static_cast<uint16_t*>(g.y)[m * g.ldy + n0 + r] = f_to_bf16(v);
+        uint16_t* y = static_cast<uint16_t*>(g.y) + m * g.ldy + n0 + r;
+        *y = f_to_bf16(g.accumulate ? bf16_to_f(*y) + v : v);
       }
     }
   }
@@ -259,15 +274,20 @@ struct CsQWeight {
   const void* wm;  // Q4_1 minima, else null
   const void* bias;  // [N] in ydtype, or null
   int64_t N, K;
+  const void* norm_w;  // prologue RMSNorm weight [K] in the input dtype, or null
+  float eps;  // its epsilon
+  int32_t glu;  // prologue SwiGLU: x rows hold 2K values (gate, up)
 };
 
-int cs_q_abi_version() { return 2; }
+int cs_q_abi_version() { return 3; }
 int cs_q_simd() { return CS_Q_AVX2; }
 
-// y[M, N] (row stride N, in w->ydtype) = x[M, K] . W^T (+ bias); x fp32 (xdtype 0) or bf16 (1), row stride ldx.
+// y[M, N] (row stride ldy, in w->ydtype) = (or +=, with accumulate) prologue(x[M, K]) . W^T (+ bias); x fp32
+// (xdtype 0) or bf16 (1), row stride ldx (2K values a row with w->glu).
 // The quantised activations live in a per-thread scratch that grows as needed.
 // Returns 0, or a negative code for unsupported arguments.
-int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_t ldx, void* y, int nthreads) {
+int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_t ldx, void* y, int64_t ldy,
+                int accumulate, int nthreads) {
   const int64_t N = w->N, K = w->K;
   if (K % kBlock != 0 || K / kBlock > kMaxBlocks || N <= 0 || M < 0 || (w->wtype != 0 && w->wtype != 1) ||
       xdtype < 0 || xdtype > 1 || w->ydtype < 0 || w->ydtype > 1 || (w->wtype == 0 && w->wm == nullptr))
@@ -281,13 +301,16 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   int8_t* xq = qbuf.data();
   float *xa = fbuf.data(), *xs = fbuf.data() + M * nb;
   Args g{w->wtype, static_cast<const uint8_t*>(w->wq), static_cast<const uint16_t*>(w->wd),
-         static_cast<const uint16_t*>(w->wm), N, K, M, xq, xa, xs, y, w->ydtype, N, w->bias};
+         static_cast<const uint16_t*>(w->wm), N, K, M, xq, xa, xs, y, w->ydtype, ldy, w->bias, accumulate != 0};
   const int64_t units = (N + kColGrain - 1) / kColGrain;
   if (nthreads < 1) nthreads = 1;
   if (nthreads > units) nthreads = static_cast<int>(units);
   const size_t xsize = xdtype == 0 ? 4 : 2;
   auto quantize = [&](int64_t m) {
-    quantize_row(static_cast<const char*>(x) + m * ldx * xsize, xdtype, K, xq + m * K, xa + m * nb, xs + m * nb);
+    thread_local std::vector<float> row;
+    if (static_cast<int64_t>(row.size()) < K) row.resize(K);
+    load_row(static_cast<const char*>(x) + m * ldx * xsize, xdtype, K, w->glu != 0, w->norm_w, w->eps, row.data());
+    quantize_row(row.data(), K, xq + m * K, xa + m * nb, xs + m * nb);
   };
   auto work = [&](int t, int nt) {  // contiguous column ranges per thread, activation rows in L2-sized tiles
     const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
