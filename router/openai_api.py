@@ -59,15 +59,31 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class CacheControl(_Strict):
+    """Anthropic's cache mark: pin the prompt up to the end of the marked message for ``ttl``."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None  # marks the whole message (pinned to its end)
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]
     name: str | None = None
+    cache_control: CacheControl | None = None  # extension (Anthropic's shape): pin up to this message's end
+
+    def cache_mark(self) -> CacheControl | None:
+        """This message's cache mark, on the message or on one of its parts (the last one wins)."""
+        marks = [self.cache_control] if self.cache_control is not None else []
+        if not isinstance(self.content, str):
+            marks += [p.cache_control for p in self.content if p.cache_control is not None]
+        return marks[-1] if marks else None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -154,6 +170,14 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def cache_mark(self) -> tuple[int, CacheControl] | None:
+        """(index of the last marked message, its mark): the prompt is pinned up to that message's end."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            mark = self.messages[i].cache_mark()
+            if mark is not None:
+                return i, mark
+        return None
+
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                 for m in self.messages]
@@ -219,13 +243,22 @@ def parse_request(body: bytes, model_cls: type[_Strict], max_body_bytes: int) ->
         raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               cache_creation_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage block; ``cached_tokens`` were read from the prefix cache, ``cache_creation_tokens``
+    written to it under a ``cache_control`` pin (extension)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens, "cache_creation_tokens": cache_creation_tokens},
     }
+
+
+def usage_of(delta: Any) -> dict[str, Any]:
+    """The usage block of a request's last `GenerateDelta`."""
+    return usage_body(delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens,
+                      getattr(delta, "num_cache_creation_tokens", 0))
 
 
 def openai_finish_reason(reason: str | None) -> str | None:

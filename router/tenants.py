@@ -8,6 +8,8 @@ The config is YAML (see deploy/tenants.example.yaml)::
         rate_limit: {requests_per_second: 20, tokens_per_minute: 200000}
         max_concurrent_requests: 16
         cache_scope: private            # or shared:<group>
+        weight: 1.0                     # fair share of the workers (VTC), relative to other tenants
+        cache_pins: {max_pinned_tokens: 16384, allowed_ttls: [5m, 1h], on_pool_full: error}  # cache_control
 
 API keys are stored only as sha256 hex digests (``hash_api_key`` or ``chunkserve tenants hash-key``).
 Without a config file the frontends run in open mode: one tenant, ``public``, that accepts any request.
@@ -25,7 +27,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -64,6 +66,16 @@ class RateLimitConfig(BaseModel):
         return self
 
 
+class CachePinConfig(BaseModel):
+    """What a tenant may pin with ``cache_control`` (issue 16). Quotas are per worker."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_pinned_tokens: int = Field(default=16384, ge=0)  # pinned tokens this tenant may hold on one worker
+    allowed_ttls: tuple[Literal["5m", "1h"], ...] = ("5m", "1h")
+    on_pool_full: Literal["error", "unpinned"] = "error"  # a refused pin: fail the request, or serve it unpinned
+
+
 class TenantConfig(BaseModel):
     """One tenant as written in the tenants file."""
 
@@ -74,6 +86,8 @@ class TenantConfig(BaseModel):
     rate_limit: RateLimitConfig = RateLimitConfig()
     max_concurrent_requests: int | None = Field(default=None, ge=1)
     cache_scope: str = "private"
+    weight: float = Field(default=1.0, gt=0, le=1000)  # fair-share weight in the workers' scheduler
+    cache_pins: CachePinConfig = CachePinConfig()
 
     @field_validator("id")
     @classmethod
@@ -153,6 +167,8 @@ class Tenant:
     rate_limit: RateLimitConfig
     max_concurrent_requests: int | None
     cache_scope: str
+    weight: float = 1.0
+    cache_pins: CachePinConfig = CachePinConfig()
 
     @property
     def cache_salt(self) -> bytes:
@@ -166,7 +182,7 @@ class Tenant:
     @classmethod
     def from_config(cls, cfg: TenantConfig) -> Tenant:
         return cls(id=cfg.id, rate_limit=cfg.rate_limit, max_concurrent_requests=cfg.max_concurrent_requests,
-                   cache_scope=cfg.cache_scope)
+                   cache_scope=cfg.cache_scope, weight=cfg.weight, cache_pins=cfg.cache_pins)
 
 
 class TenantRegistry:
