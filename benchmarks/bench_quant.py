@@ -1,10 +1,12 @@
-"""Weight-only int8 against fp32 and bf16 on the embedded SmolLM2-135M: quality and decode speed.
+"""Quantised (int8 weight-only, int4 block) against fp32 and bf16 on the embedded SmolLM2-135M: quality and speed.
 
     .venv/bin/python benchmarks/bench_quant.py                       # everything, 2 threads, wall clock
     .venv/bin/python benchmarks/bench_quant.py --threads 1 --clock thread --no-speed
 
 Variants: fp32 (the reference), bf16, int8 (the layers' linears int8, lm_head dense) and int8+head
-(the lm_head int8 too; what ``EngineConfig(quantization="int8")`` runs). Quality, against fp32:
+(the lm_head int8 too), int4 (``EngineConfig(quantization="int4")``: Q4_1 layers, Q8_0 lm_head, activations
+quantised to int8 per block of 32 inside the matmuls, as llama.cpp runs the embedded Q4_1 GGUF; see
+workers/quant.py). Quality, against fp32:
 
 * greedy agreement over 16 fixed prompts x 32 tokens: the mean fraction of tokens identical up to the
   first divergence, and the share of prompts whose whole continuation is identical;
@@ -74,7 +76,8 @@ TEXT = (
 def variants() -> list[tuple[str, str, str | None, bool]]:
     """(name, dtype, quantization, lm_head quantised)."""
     return [("fp32", "float32", None, False), ("bf16", "bfloat16", None, False),
-            ("int8", "float32", "int8", False), ("int8+head", "float32", "int8", True)]
+            ("int8", "float32", "int8", False), ("int8+head", "float32", "int8", True),
+            ("int4", "float32", "int4", True)]
 
 
 def load_variant(dtype: str, quant: str | None, head: bool) -> LoadedModel:

@@ -368,11 +368,11 @@ class CausalLM:
         h = self.embed.index_select(0, input_ids)  # [T, H], our own buffer: residual adds go in place
         fns = self._fns_row if t == 1 and torch.get_num_threads() == 1 else self._fns_rows
         if self._fused:  # norms, SwiGLU and residual adds inside the kernel's calls: 4 calls + RoPE per layer
+            rope = (cos, sin, qk_size)  # [T, 1, D] each: contiguous [T, D]
             for i, (f_qkv, f_o, f_gate_up, f_down) in enumerate(fns):
-                qkv = f_qkv(h)  # [T, (Hq + 2*Hkv) * D], RMSNorm(ln1) applied to h on the way in
-                qk = qkv[:, :qk_size].view(t, hq + hkv, d)
-                rot = torch.cat((qk[..., half:], qk[..., :half]), -1).mul_(sin).addcmul_(qk, cos)  # [T, Hq+Hkv, D]
-                o = attn(i, rot[:, :hq], rot[:, hq:], qkv[:, qk_size:].view(t, hkv, d))  # [T, Hq, D]
+                # [T, (Hq + 2*Hkv) * D]: RMSNorm(ln1) on the way in, RoPE on the q and k heads on the way out
+                qkv = f_qkv(h, rope=rope).view(t, hq + 2 * hkv, d)
+                o = attn(i, qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:])  # [T, Hq, D]
                 f_o(o.reshape(t, q_size), h)  # h += o . W_o^T
                 f_down(f_gate_up(h), h)  # h += SwiGLU(RMSNorm(h) . W_gu^T) . W_down^T
             return self._rms_norm(h, self.norm)

@@ -164,11 +164,11 @@ class QKernel:
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        if lib.cs_q_abi_version() != 3:
+        if lib.cs_q_abi_version() != 4:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_q_linear
         i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        fn.argtypes = [ptr, ptr, cint, i64, i64, ptr, i64, cint, cint]
+        fn.argtypes = [ptr, ptr, cint, i64, i64, ptr, i64, cint, ptr, ptr, i64, i64, cint]
         fn.restype = cint
         self.fn = fn
         self.simd = bool(lib.cs_q_simd())
@@ -208,7 +208,8 @@ def fused_block_linear(w: BlockWeight, b: torch.Tensor | None, dtype: torch.dtyp
 
     norm (weight [K] in `dtype`, eps): RMSNorm of the input first; glu: the input rows hold 2K values
     (gate, up) and the matmul takes silu(gate) * up. Call as ``f(x)`` or ``f(x, out)`` (out += result, in
-    place). The prologue runs where the activations are quantised anyway, so it costs no extra pass."""
+    place), or ``f(x, rope=(cos, sin, columns))`` to rotate the first output columns (RoPE) in place. The
+    prologue runs where the activations are quantised anyway, so it costs no extra pass."""
     kern = load_kernel() if w.q.device.type == "cpu" else None
     if kern is None or dtype not in _DTYPE_CODES:
         return None
@@ -239,8 +240,10 @@ class _BlockLinear:
         self.dtype, self.out_dtype, self.xcode = dtype, out_dtype, _DTYPE_CODES[dtype]
         self.serial_rows = max(1, SERIAL_WORK // (self.n * self.k))  # calls of fewer rows run on one thread
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T, K] ([T, 2K] with glu) -> y: [T, N], or out: [T, N] += that, returned
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                 rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+        # x: [T, K] ([T, 2K] with glu) -> y: [T, N], or out: [T, N] += that, returned.
+        # rope (cos [T, D], signed sin [T, D], columns): the first `columns` outputs (heads of D) rotated in place
         if x.dtype != self.dtype:
             x = x.to(self.dtype)
         if x.stride(-1) != 1:
@@ -254,8 +257,18 @@ class _BlockLinear:
             raise ValueError(f"out must be [{t}, {self.n}] {self.out_dtype} with unit column stride")
         else:
             y, acc = out, 1
+        if rope is None:
+            cos_p = sin_p = None
+            cols = d = 0
+        else:
+            cos, sin, cols = rope  # [T, D] each, contiguous, in the output dtype
+            d = cos.shape[-1]
+            if cos.dtype != self.out_dtype or sin.dtype != cos.dtype or cos.numel() != t * d or sin.numel() != t * d \
+                    or not (cos.is_contiguous() and sin.is_contiguous()):
+                raise ValueError(f"rope tables must be contiguous [{t}, D] {self.out_dtype}")
+            cos_p, sin_p = cos.data_ptr(), sin.data_ptr()
         rc = self.fn(self.addr, x.data_ptr(), self.xcode, t, x.stride(0), y.data_ptr(), y.stride(0), acc,
-                     1 if t < self.serial_rows else torch.get_num_threads())
+                     cos_p, sin_p, cols, d, 1 if t < self.serial_rows else torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"cs_q_linear failed with code {rc} (N={self.n} K={self.k} T={t})")
         return y

@@ -124,3 +124,40 @@ def test_engine_int4_option_decodes_a_request() -> None:
     while core.has_work():
         out += core.step()
     assert out and len(out[-1].req.output) == 5
+
+
+def test_fused_prologues_epilogues_match_torch_norm_swiglu_residual_and_rope() -> None:
+    if load_kernel() is None:
+        pytest.skip("no C++ compiler: the fused path needs the kernel")
+    from chunkserve.workers.quant import fused_block_linear
+
+    g = torch.Generator().manual_seed(5)
+    n, k, t, d = 128, 64, 3, 16
+    qw = Q4Weight.quantize(torch.randn(n, k, generator=g))
+    wd = qw.dequantize()
+    ln = torch.rand(k, generator=g) + 0.5
+    x = torch.randn(t, k, generator=g) * 3
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> None:
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * ln
+    f = fused_block_linear(qw, None, torch.float32, norm=(ln, 1e-5))
+    close(f(x), F.linear(normed, wd))
+    gu = torch.randn(t, 2 * k, generator=g)
+    f_glu = fused_block_linear(qw, None, torch.float32, glu=True)
+    close(f_glu(gu), F.linear(F.silu(gu[:, :k]) * gu[:, k:], wd))
+    h = torch.randn(t, n, generator=g)
+    plain = fused_block_linear(qw, None, torch.float32)
+    want = h + plain(x)
+    assert plain(x, h) is h and torch.allclose(h, want, atol=1e-5)
+    ang = torch.rand(t, d // 2, generator=g) * 6
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((-ang.sin(), ang.sin()), -1)  # [T, D]
+    y = plain(x)
+    heads = y[:, :64].view(t, 4, d)
+    rot = heads * cos[:, None] + torch.cat((heads[..., d // 2:], heads[..., :d // 2]), -1) * sin[:, None]
+    got = plain(x, rope=(cos, sin, 64))
+    assert torch.allclose(got[:, :64].view(t, 4, d), rot, atol=1e-5)
+    assert torch.equal(got[:, 64:], y[:, 64:])  # the columns past the rotated heads are untouched
+    with pytest.raises(ValueError, match="input"):
+        plain(torch.randn(t, k + 32))

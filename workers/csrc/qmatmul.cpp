@@ -261,6 +261,23 @@ void column_range(const Args& g, int64_t n0, int64_t n1, int64_t m0, int64_t m1)
   for (; n < n1; ++n) columns<1>(g, n, m0, m1);
 }
 
+// In-place RoPE of the first `cols` values of row y[off:] (heads of d values): v = v * c + swap_halves(v) * s.
+void rope_row(void* y, int ydtype, int64_t off, const void* c, const void* s, int64_t cols, int64_t d) {
+  float v[1024];
+  const int64_t half = d / 2;
+  for (int64_t h0 = 0; h0 < cols; h0 += d) {
+    for (int64_t j = 0; j < d; ++j) v[j] = load_x(y, ydtype, off + h0 + j);
+    for (int64_t j = 0; j < d; ++j) {
+      const float r = v[j] * load_x(c, ydtype, j) + v[j < half ? j + half : j - half] * load_x(s, ydtype, j);
+      if (ydtype == 0) {
+        static_cast<float*>(y)[off + h0 + j] = r;
+      } else {
+        static_cast<uint16_t*>(y)[off + h0 + j] = f_to_bf16(r);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -279,20 +296,28 @@ struct CsQWeight {
   int32_t glu;  // prologue SwiGLU: x rows hold 2K values (gate, up)
 };
 
-int cs_q_abi_version() { return 3; }
+int cs_q_abi_version() { return 4; }
 int cs_q_simd() { return CS_Q_AVX2; }
 
 // y[M, N] (row stride ldy, in w->ydtype) = (or +=, with accumulate) prologue(x[M, K]) . W^T (+ bias); x fp32
 // (xdtype 0) or bf16 (1), row stride ldx (2K values a row with w->glu).
 // The quantised activations live in a per-thread scratch that grows as needed.
 // Returns 0, or a negative code for unsupported arguments.
+// RoPE epilogue (rope_cols > 0): the first rope_cols output columns are heads of head_dim values, rotated in
+// place as y = y * cos + swap_halves(y) * sin with rope_cos/rope_sin: [M, head_dim] in ydtype (sin signed: -sin
+// on the first half), i.e. transformers' rotate-half. Needs rope_cols % head_dim == 0 and head_dim even.
 int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_t ldx, void* y, int64_t ldy,
-                int accumulate, int nthreads) {
+                int accumulate, const void* rope_cos, const void* rope_sin, int64_t rope_cols, int64_t head_dim,
+                int nthreads) {
   const int64_t N = w->N, K = w->K;
   if (K % kBlock != 0 || K / kBlock > kMaxBlocks || N <= 0 || M < 0 || (w->wtype != 0 && w->wtype != 1) ||
       xdtype < 0 || xdtype > 1 || w->ydtype < 0 || w->ydtype > 1 || (w->wtype == 0 && w->wm == nullptr))
     return -1;
+  if (rope_cols > 0 && (head_dim <= 0 || head_dim % 2 || head_dim > 1024 || rope_cols % head_dim || rope_cols > N ||
+                        rope_cos == nullptr || rope_sin == nullptr))
+    return -2;
   if (M == 0) return 0;
+  const size_t ysize = w->ydtype == 0 ? 4 : 2;
   const int64_t nb = K / kBlock;
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> fbuf;
@@ -317,9 +342,14 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
     const int64_t n0 = u0 * kColGrain, n1 = u1 * kColGrain < N ? u1 * kColGrain : N;
     for (int64_t m0 = 0; m0 < M; m0 += kTileM) column_range(g, n0, n1, m0, m0 + kTileM < M ? m0 + kTileM : M);
   };
+  auto rope = [&](int64_t m) {
+    rope_row(y, w->ydtype, m * ldy, static_cast<const char*>(rope_cos) + m * head_dim * ysize,
+             static_cast<const char*>(rope_sin) + m * head_dim * ysize, rope_cols, head_dim);
+  };
   if (nthreads == 1) {  // no parallel region to enter (and wait on) for small calls
     for (int64_t m = 0; m < M; ++m) quantize(m);
     work(0, 1);
+    for (int64_t m = 0; m < (rope_cols > 0 ? M : 0); ++m) rope(m);
     return 0;
   }
 #pragma omp parallel num_threads(nthreads)
@@ -327,6 +357,11 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) quantize(m);
     work(omp_get_thread_num(), omp_get_num_threads());
+    if (rope_cols > 0) {
+#pragma omp barrier
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) rope(m);
+    }
   }
   return 0;
 }
