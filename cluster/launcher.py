@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray (default: all)")
     ap.add_argument("--engine", default=None, help="JSON of EngineConfig fields, e.g. '{\"chunk_size\": 32}'")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on CPUs with native bf16)")
-    ap.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 linears")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                    help="int8: weight-only int8 linears; int4: Q4_1 layers + Q8_0 lm_head (llama.cpp-style)")
     ap.add_argument("--drain-grace", type=float, default=None,
                     help="seconds in-flight requests may take to finish on Ctrl-C/SIGTERM (default 30)")
     ap.add_argument("--exit-after", type=float, default=None, help=argparse.SUPPRESS)  # tests
