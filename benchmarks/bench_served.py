@@ -218,11 +218,11 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def served_once(url: str, model: str, reqs: list[workload.ChatRequest], pid: int) -> dict[str, Any]:
+def served_once(label: str, url: str, model: str, reqs: list[workload.ChatRequest], pid: int) -> dict[str, Any]:
     """One workload through the server (`chunkserve bench serve`'s client: a warm-up, then all requests
     at once), with the server's CPU seconds per process role and the client's own."""
     plan = Plan(reqs, workload.single_request(), client.Sampling(MAX_TOKENS, 0.0), 1, 0, {}, None, 900.0)
-    out = asyncio.run(bench_endpoint("served", url, model, plan, pid))
+    out = asyncio.run(bench_endpoint(label, url, model, plan, pid))
     res = out["runs"]["pass1"]
     if res["failed"]:
         raise RuntimeError(f"{res['failed']} requests failed: {res['errors']}")
@@ -242,12 +242,12 @@ def run_mode(mode: str, args: argparse.Namespace, convs: dict[str, list[workload
         for _ in range(args.rounds):
             for name, reqs in convs.items():
                 try:
-                    served = served_once(url, model_name, reqs, proc.pid)
+                    served = served_once(f"{mode} {name} served", url, model_name, reqs, proc.pid)
                 except (RuntimeError, OSError) as e:  # the server died (a shared machine): restart, run once more
                     print(f"{mode} server lost ({e!r}); restarting", flush=True)
                     stop_server(proc)
                     proc, url, model_name, threads = start_server(mode, args)
-                    served = served_once(url, model_name, reqs, proc.pid)
+                    served = served_once(f"{mode} {name} served", url, model_name, reqs, proc.pid)
                 off = offline.run(reqs)
                 served["ratio_vs_offline"] = round(served["completion_tok_per_s"] / off["completion_tok_per_s"], 3)
                 rounds[name].append({"served": served, "offline": off})
