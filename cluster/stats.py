@@ -68,7 +68,8 @@ def snapshot_of(stats: Mapping[str, Any], worker_id: str) -> dict[str, Any]:
         v = stats.get(f)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             snap[f] = v
-    for f in ("routing", "tenants"):  # per-reason and per-tenant tallies (workers/worker_metrics.py)
+    for f in ("routing", "tenants", "tenant_sched"):  # per-reason and per-tenant tallies (workers/worker_metrics.py;
+        # tenant_sched: the scheduler's fair share, queueing and pins, router/tenant_metrics.py)
         if isinstance(stats.get(f), Mapping):
             snap[f] = dict(stats[f])
     return snap

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from chunkserve.router.tenant_metrics import tenant_families
 from chunkserve.workers.worker_metrics import CHUNK_BUCKETS, COUNTERS, DESCRIPTIONS, GAUGES
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -124,6 +125,7 @@ class _ClusterCollector:
                         m.add_metric([self.model_name, str(snap.get("worker_id"))], float(v))
                 yield m
         yield from _routing_families(self.model_name, self.snapshots)
+        yield from tenant_families(self.model_name, self.snapshots)  # issue 16: fair share and pins
 
 
 class ServerMetrics:

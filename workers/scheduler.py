@@ -344,7 +344,7 @@ class Scheduler:
             tenants.setdefault(name, {}).update(st)
         for name, st in self.pins.stats().items():
             tenants.setdefault(name, {}).update(st)
-        return {"tenants": tenants, "pinned_chunks": self.cache.num_pinned_chunks,
+        return {"tenant_sched": tenants, "pinned_chunks": self.cache.num_pinned_chunks,
                 "fair_share": self.config.fair_share}
 
     # ------------------------------------------------------------------ after the step

@@ -31,7 +31,7 @@ def _tenants() -> TenantRegistry:
         t("alpha"), t("beta"), t("short", cache_pins={"allowed_ttls": ["5m"]}),
         t("tight", cache_pins={"max_pinned_tokens": 32}),
         t("lenient", cache_pins={"max_pinned_tokens": 32, "on_pool_full": "unpinned"}),
-    ]}))
+    ], "admin_api_key_sha256": hash_api_key("key-admin")}))
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +133,16 @@ def test_grpc_passes_cache_control_through_and_reports_cache_creation(server: Lo
         with pytest.raises(grpc.RpcError) as e:
             call("c", pb.CacheControl(type="ephemeral", ttl="2d"))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_control.ttl" in e.value.details()
+
+
+def test_metrics_show_pinned_tokens_served_tokens_and_share_per_tenant(server: LocalServer) -> None:
+    details(post(server, "alpha", marked("metrics question", system="[metrics] " + SYSTEM)))
+    text = httpx2.get(server.http_url + "/metrics", headers={"Authorization": "Bearer key-admin"}, timeout=30).text
+    lines = {ln.split(" ")[0]: float(ln.split(" ")[-1]) for ln in text.splitlines()
+             if ln.startswith("chunkserve:tenant_") and 'tenant="alpha"' in ln}
+    pinned = [v for k, v in lines.items() if k.startswith("chunkserve:tenant_pinned_tokens{")]
+    assert pinned and pinned[0] >= 6 * CHUNK
+    assert any(k.startswith("chunkserve:tenant_served_tokens_total{") and 'kind="prefill"' in k and v > 0
+               for k, v in lines.items())
+    assert any(k.startswith("chunkserve:tenant_share{") and v > 0 for k, v in lines.items())
+    assert any(k.startswith("chunkserve:tenant_queue_time_seconds_total{") for k in lines)

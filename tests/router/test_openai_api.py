@@ -138,9 +138,9 @@ def test_any_json_value_either_parses_or_is_a_4xx(value):
 
 
 def test_response_bodies_have_the_openai_shape():
-    usage = usage_body(10, 3, 8)
+    usage = usage_body(10, 3, 8, 2)
     assert usage == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
-                     "prompt_tokens_details": {"cached_tokens": 8}}
+                     "prompt_tokens_details": {"cached_tokens": 8, "cache_creation_tokens": 2}}
     r = chat_response("id1", "m", 1, "hey", "length", usage)
     assert r["choices"][0]["message"] == {"role": "assistant", "content": "hey"}
     assert r["choices"][0]["finish_reason"] == "length" and r["usage"] is usage

@@ -95,7 +95,7 @@ def test_weights_split_the_service_of_two_backlogged_tenants() -> None:
         sim.add(f"b{i}", [5000 + i] * 128, 16, tenant="b", weight=1.0)
     for _ in range(400):
         sim.run_step()
-    st = sim.sched.stats()["tenants"]
+    st = sim.sched.stats()["tenant_sched"]
     served = {t: st[t]["prefill_tokens"] + 2 * st[t]["decode_tokens"] for t in ("a", "b")}
     assert 1.6 < served["a"] / served["b"] < 2.5, served
     assert 0.8 < st["a"]["share"] < 1.25 and 0.8 < st["b"]["share"] < 1.25, st
@@ -116,6 +116,6 @@ def test_queueing_time_and_served_tokens_are_counted_per_tenant() -> None:
     sim = make_sim(64, max_num_seqs=4)
     sim.add("x", [5] * 100, 10, tenant="x")
     sim.drain()
-    st = sim.sched.stats()["tenants"]["x"]
+    st = sim.sched.stats()["tenant_sched"]["x"]
     assert st["prefill_tokens"] == 100 and st["decode_tokens"] == 9 and st["admitted"] == 1
     assert st["queue_time_s"] >= 0.0

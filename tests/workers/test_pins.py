@@ -60,7 +60,7 @@ def test_a_pin_past_its_ttl_is_released_and_then_evicted_like_any_chunk() -> Non
     assert sim.sched.cache.num_pinned_chunks == 64  # still pinned before the TTL
     clock.t += 101
     flood(sim, 2 * 192 * 64, seed=4)  # the first step releases it, the flood then evicts it
-    st = sim.sched.stats()["tenants"]["acme"]
+    st = sim.sched.stats()["tenant_sched"]["acme"]
     assert st["pins_expired"] == 1 and st["pinned_tokens"] == 0
     assert sim.sched.cache.num_pinned_chunks == 0
     assert sim.sched.cache.match(PREFIX, b"acme") < 64
@@ -77,7 +77,7 @@ def test_a_repeat_request_renews_the_ttl() -> None:
     assert again.pinned_tokens == 4096 and again.cache_creation_tokens == 0  # read, not written
     clock.t += 100  # 350 s after the first pin, 100 s after the renewal
     flood(sim, 2 * 192 * 64)
-    st = sim.sched.stats()["tenants"]["acme"]
+    st = sim.sched.stats()["tenant_sched"]["acme"]
     assert st["pins_renewed"] == 1 and st["pins_expired"] == 0 and st["pins"] == 1
     assert sim.sched.cache.match(PREFIX, b"acme") == 4096
 
@@ -91,7 +91,7 @@ def test_the_pinned_token_quota_is_enforced_by_error_or_unpinned_service() -> No
     sim.drain()
     assert req.status.value == "finished" and req.pinned_tokens == 0
     assert sim.sched.cache.num_pinned_chunks == 0
-    assert sim.sched.stats()["tenants"]["acme"]["pins_refused"] == 2
+    assert sim.sched.stats()["tenant_sched"]["acme"]["pins_refused"] == 2
 
 
 def test_pins_hold_at_most_their_share_of_the_pool_and_never_block_another_tenant() -> None:
@@ -116,4 +116,4 @@ def test_a_private_pin_is_never_visible_to_another_tenant() -> None:
     sim.drain()
     assert b.num_cached == 0  # b computed it again in its own scope
     assert sim.sched.cache.num_pinned_chunks == 64  # and b's copy is not pinned
-    assert "b" not in sim.sched.stats()["tenants"] or sim.sched.stats()["tenants"]["b"].get("pins", 0) == 0
+    assert "b" not in sim.sched.stats()["tenant_sched"] or sim.sched.stats()["tenant_sched"]["b"].get("pins", 0) == 0
