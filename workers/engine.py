@@ -93,6 +93,9 @@ class EngineCore:
                                                                max_model_len=self.max_model_len))
         self.runner = ModelRunner(self.model, self.cache, cfg.attention_backend, cfg.prefill_backend)
         self.sampler = Sampler(cfg.seed)
+        vocab = mc.vocab_size
+        self.runner.sample_stager = lambda staging, reqs: self.sampler.stage(  # knobs ride the step's copy
+            staging, [r.request_id for r in reqs], [r.params for r in reqs], vocab)
         self.eos_ids = set(mc.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
@@ -152,7 +155,8 @@ class EngineCore:
         self.num_steps += 1
         if not reqs:
             return []
-        tokens, lps = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs])
+        tokens, lps = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs],
+                                          self.runner.sample_job)
         return self._process(reqs, tokens, lps)
 
     def _process(self, reqs: list[Request], tokens: list[int], lps: list[float]) -> list[StepOutput]:

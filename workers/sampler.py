@@ -11,13 +11,15 @@ groups, each handled by a few tensor ops over all of its rows:
     plain rows    (top_k off, top_p = 1)   temperature only, over the unsorted vocabulary
 
 Every random row is then drawn by inverse CDF: one uniform u per row and the first candidate whose
-cumulative (unnormalised) probability exceeds u times the kept mass. Unseeded rows take their u's
-from the sampler's base generator in one draw; a row with ``params.seed`` takes its u from its own
-generator (created on the logits' device), so its tokens do not depend on the rest of the batch
+cumulative (unnormalised) probability exceeds u times the kept mass. The u's are counter-based
+hashes computed on the host while the step is planned (`plan`), no generator objects: a row with
+``params.seed`` takes its i-th draw H(seed, i), so its tokens do not depend on the rest of the batch
 (up to the float rounding of its row's softmax sum, which can only matter when u lands within an
-ulp of a bucket edge; exact ties in the logits are ordered by ``topk``). Greedy rows are exactly
-``argmax``. Only the sampled ids (and the requested logprobs, under the unmodified distribution)
-come back to the host, in one copy.
+ulp of a bucket edge; exact ties in the logits are ordered by ``topk``) and ``seed_offset`` resumes
+a stream in O(1); unseeded rows take H(sampler seed, running counter). The row groups, knobs and
+u's travel with the engine's step copy (`stage`), so the device pass reads nothing back; greedy
+rows are exactly ``argmax``. Only the sampled ids (and the requested logprobs, under the
+unmodified distribution) come back to the host, in one copy.
 
 CPU specifics: ``argmax`` and ``topk`` first reduce blocks of 64 logits to their maxima (the same
 result, several times faster than a scan of the vocabulary), and the [n, V] intermediates live in
@@ -26,12 +28,65 @@ reused scratch buffers (a fresh 6 MB tensor per step costs more in page faults t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from chunkserve.workers.sampling import SamplingParams
+from chunkserve.workers.staging import Staging
 
 _MIN_TEMPERATURE = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over uint64 arrays (wrapping arithmetic): a bijective 64-bit mix."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def uniform_hash(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """Counter-based uniforms: [m] uint64 keys and counters -> [m] float32 in [0, 1) (24 random bits).
+
+    The same (key, counter) gives the same u on every device and in any batch.
+    """
+    with np.errstate(over="ignore"):
+        z = _mix(keys ^ _mix(counters * np.uint64(0xD1B54A32D192ED03)))
+    return ((z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)).astype(np.float32)
+
+
+@dataclass
+class SamplePlan:
+    """A step's sampling, planned on the host: per group (0 top-k, 1 nucleus, 2 plain) its kind, rows,
+    largest k and host arrays (rows [m] int64, knobs [3, m] = temperature / top-p / top-k, u [m]); the
+    rows that want logprobs. ``dev``: their device tensors once bound (idx, knobs, u per group, then
+    the logprob rows)."""
+
+    n: int
+    vocab: int
+    any_greedy: bool
+    groups: list[tuple[int, list[int], int, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    want: list[int] = field(default_factory=list)
+    dev: list[torch.Tensor] = field(default_factory=list)
+    bound: bool = False
+
+    def stage(self, staging: Staging) -> list[int]:
+        idx = []
+        for _kind, _rows, _k, rows, knobs, u in self.groups:
+            idx += [staging.add(rows, np.int64), staging.add(knobs, np.float32), staging.add(u, np.float32)]
+        if self.want:
+            idx.append(staging.add(self.want, np.int64))
+        return idx
+
+    def bind(self, tensors: list[torch.Tensor], idx: list[int]) -> None:
+        self.dev = [tensors[i] for i in idx]
+        self.bound = True
 _BLOCK = 64  # CPU: argmax / topk first pick the best blocks of this many logits by their maxima
 
 
@@ -108,8 +163,10 @@ class Sampler:
         self.seed = seed
         self.full_sort = full_sort
         self.nucleus_k0 = nucleus_k0
-        self._base: dict[str, torch.Generator] = {}  # device -> generator of the unseeded rows
-        self._gens: dict[str, torch.Generator] = {}  # request id -> generator of a seeded request
+        self._base_key = int(_mix(np.asarray([(seed & _MASK64) ^ 0x5EED], dtype=np.uint64))[0])
+        self._base_draws = 0  # draws made for unseeded rows
+        self._gens: dict[str, int] = {}  # request id -> draws made by that seeded request
+        self._staging: dict[str, Staging] = {}  # device -> staging of sample() calls without a plan
         # (slot, device) -> reused fp32 scratch: a fresh [n, V] tensor per step costs page faults on CPU
         self._scratch: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -144,86 +201,127 @@ class Sampler:
         e = x.sub_(x.amax(-1, keepdim=True)).exp_()  # [m, V]
         return e, e.sum(-1)
 
-    def _base_gen(self, device: torch.device) -> torch.Generator:
-        g = self._base.get(str(device))
-        if g is None:
-            g = self._base[str(device)] = torch.Generator(device=device).manual_seed(self.seed)
-        return g
-
-    def _uniforms(self, rows: list[int], request_ids: list[str], params: list[SamplingParams],
-                  device: torch.device) -> torch.Tensor:
-        """u: [len(rows)] in [0, 1): seeded rows from their own generator, the others in one base draw."""
-        u = torch.rand(len(rows), generator=self._base_gen(device), device=device)  # [m]
-        seeded = [j for j, i in enumerate(rows) if params[i].seed is not None]
+    def _draws(self, rows: list[int], request_ids: list[str], params: list[SamplingParams]) -> np.ndarray:
+        """u: [len(rows)] float32 in [0, 1), on the host: a seeded row's i-th draw is H(seed, i) (so it
+        does not depend on its neighbours, and ``seed_offset`` skips draws in O(1)); the other rows take
+        H(sampler seed, running counter)."""
+        m = len(rows)
+        keys = np.full(m, self._base_key, dtype=np.uint64)
+        ctrs = np.empty(m, dtype=np.uint64)
+        seeded: list[int] = []
+        seeds: list[int] = []
+        for j, i in enumerate(rows):
+            p = params[i]
+            if p.seed is None:
+                ctrs[j] = self._base_draws
+                self._base_draws += 1
+            else:
+                rid = request_ids[i]
+                k = self._gens.get(rid, p.seed_offset)
+                self._gens[rid] = k + 1
+                ctrs[j] = k
+                seeded.append(j)
+                seeds.append(p.seed & _MASK64)
         if seeded:
-            draws = []
-            for j in seeded:
-                rid = request_ids[rows[j]]
-                g = self._gens.get(rid)
-                if g is None:
-                    g = self._gens[rid] = torch.Generator(device=device).manual_seed(params[rows[j]].seed)
-                    for _ in range(params[rows[j]].seed_offset):  # a resumed stream: skip the draws made
-                        torch.rand(1, generator=g, device=device)
-                draws.append(torch.rand(1, generator=g, device=device))
-            u[torch.tensor(seeded, device=device)] = torch.cat(draws)
-        return u
+            keys[seeded] = _mix(np.asarray(seeds, dtype=np.uint64))
+        return uniform_hash(keys, ctrs)
+
+    def plan(self, request_ids: list[str], params: list[SamplingParams], vocab: int) -> SamplePlan:
+        """Everything about a step's sampling that the host knows before the logits exist: the row
+        groups, their knobs and their uniforms (host arrays)."""
+        n = len(params)
+        if len(request_ids) != n:
+            raise ValueError(f"{len(request_ids)} request ids but {n} params")
+        rand = [i for i in range(n) if not params[i].greedy]
+        groups = ([i for i in rand if 0 < params[i].top_k < vocab],
+                  [i for i in rand if not 0 < params[i].top_k < vocab and params[i].top_p < 1.0],
+                  [i for i in rand if not 0 < params[i].top_k < vocab and params[i].top_p >= 1.0])
+        out = SamplePlan(n, vocab, len(rand) < n)
+        for kind, rows in enumerate(groups):
+            if not rows:
+                continue
+            knobs = np.asarray([[max(params[i].temperature, _MIN_TEMPERATURE) for i in rows],
+                                [params[i].top_p for i in rows],
+                                [params[i].top_k for i in rows]], dtype=np.float32)  # [3, m]
+            out.groups.append((kind, rows, max(params[i].top_k for i in rows),
+                               np.asarray(rows, dtype=np.int64), knobs, self._draws(rows, request_ids, params)))
+        out.want = [i for i in range(n) if params[i].logprobs]
+        return out
+
+    def stage(self, staging: Staging, request_ids: list[str], params: list[SamplingParams], vocab: int
+              ) -> Callable[[list[torch.Tensor]], SamplePlan]:
+        """Plan, and queue the plan's arrays on ``staging`` (the engine's step copy); returns the bind
+        function that takes the flushed tensors and gives the plan with its device tensors."""
+        sp = self.plan(request_ids, params, vocab)
+        idx = sp.stage(staging)
+
+        def bind(tensors: list[torch.Tensor]) -> SamplePlan:
+            sp.bind(tensors, idx)
+            return sp
+
+        return bind
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
-               ) -> tuple[list[int], list[float]]:
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+               plan: SamplePlan | None = None) -> tuple[list[int], list[float]]:
         """logits: [n, V] -> (token ids [n], their logprobs [n] under the unmodified distribution).
 
-        Logprobs are computed only for rows whose params ask for them (0.0 for the others).
+        Logprobs are computed only for rows whose params ask for them (0.0 for the others). ``plan``: a
+        bound `stage` result for these rows (the engine's step); None plans and moves the knobs here.
+        The step's one device -> host read is the copy of the ids (and the logprobs asked for).
         """
+        ids, lps = self.sample_device(logits, request_ids, params, plan)
+        n = logits.shape[0]
+        if lps is None:
+            return ids.tolist(), [0.0] * n
+        want = [i for i in range(n) if params[i].logprobs]
+        host = torch.cat([ids.double(), lps.double()]).tolist()  # the step's one device -> host copy
+        out = [0.0] * n
+        for j, i in enumerate(want):
+            out[i] = host[n + j]
+        return [int(t) for t in host[:n]], out
+
+    def sample_device(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+                      plan: SamplePlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled ids [n] (int64) and the requested logprobs [w] (None if none), on the logits'
+        device; nothing is read back."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [n, V], got shape {tuple(logits.shape)}")
         n, vocab = logits.shape
         if len(request_ids) != n or len(params) != n:
             raise ValueError(f"{n} logits rows but {len(request_ids)} request ids and {len(params)} params")
-        if n == 0:
-            return [], []
         dev = logits.device
-        rand = [i for i in range(n) if not params[i].greedy]
-        if len(rand) < n:
-            tokens = _argmax(logits)  # [n] greedy rows exact; random rows overwritten below
-        else:
-            tokens = torch.empty(n, dtype=torch.long, device=dev)
-        groups = ([i for i in rand if 0 < params[i].top_k < vocab],
-                  [i for i in rand if not 0 < params[i].top_k < vocab and params[i].top_p < 1.0],
-                  [i for i in rand if not 0 < params[i].top_k < vocab and params[i].top_p >= 1.0])
-        for group, rows in enumerate(groups):
-            if not rows:
-                continue
-            idx = torch.tensor(rows, device=dev)  # [m]
-            knobs = torch.tensor([[max(params[i].temperature, _MIN_TEMPERATURE) for i in rows],
-                                  [params[i].top_p for i in rows],
-                                  [params[i].top_k for i in rows]], dtype=torch.float32).to(dev)  # [3, m]
+        if n == 0:
+            return torch.zeros(0, dtype=torch.long, device=dev), None
+        if plan is None or plan.n != n or plan.vocab != vocab or not plan.bound:
+            plan = self.plan(request_ids, params, vocab)
+            staging = self._staging.get(str(dev))
+            if staging is None:
+                staging = self._staging[str(dev)] = Staging(dev)
+            idx = plan.stage(staging)
+            plan.bind(staging.flush(), idx)
+        tokens = _argmax(logits) if plan.any_greedy else torch.empty(n, dtype=torch.long, device=dev)  # [n]
+        for g, (kind, rows, k_max, *_host) in enumerate(plan.groups):
+            idx, knobs, u = plan.dev[3 * g: 3 * g + 3]  # [m], [3, m], [m]
             temp, top_p, top_k = knobs[0], knobs[1], knobs[2]  # [m] each
-            u = self._uniforms(rows, request_ids, params, dev)  # [m]
             sub = None if len(rows) == n else idx
-            if group == 0:
+            if kind == 0:
                 x = logits.float() if sub is None else self._rows(logits, idx, 0)  # [m, V]
-                ids = self._sample_top_k(x, temp, top_p, top_k, u, max(params[i].top_k for i in rows))
-            elif group == 1:
+                ids = self._sample_top_k(x, temp, top_p, top_k, u, k_max)
+            elif kind == 1:
                 ids = self._sample_nucleus(*self._probs(logits, sub, temp), top_p, u)
             else:
                 e = self._probs(logits, sub, temp)[0]  # [m, V]
                 ids = _pick(e, u, out=self._buf(1, *e.shape, dev))  # over the unsorted vocabulary
             tokens.index_copy_(0, idx, ids)
-        want = [i for i in range(n) if params[i].logprobs]
-        if not want:
-            return tokens.tolist(), [0.0] * n
-        widx = torch.tensor(want, device=dev)  # [w]
+        if not plan.want:
+            return tokens, None
+        widx = plan.dev[-1]  # [w]
         tw = tokens.index_select(0, widx)  # [w]
         x = self._rows(logits, widx, 0)  # [w, V]
         picked = x.gather(1, tw.unsqueeze(1)).squeeze(1)  # [w]
         mx = x.amax(-1, keepdim=True)  # [w, 1]
-        lp = picked - mx.squeeze(1) - x.sub_(mx).exp_().sum(-1).log_()  # [w] log_softmax at the token
-        host = torch.cat([tokens.double(), lp.double()]).tolist()  # the step's one device -> host copy
-        lps = [0.0] * n
-        for j, i in enumerate(want):
-            lps[i] = host[n + j]
-        return [int(t) for t in host[:n]], lps
+        return tokens, picked - mx.squeeze(1) - x.sub_(mx).exp_().sum(-1).log_()  # [w] log_softmax at the token
 
     @staticmethod
     def _sample_top_k(x: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
