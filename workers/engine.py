@@ -11,7 +11,6 @@ Only one thread may call it; `AsyncEngine` runs it in a background thread for as
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,8 +18,8 @@ import torch
 from chunkserve.workers.cache_control import PinSpec
 from chunkserve.workers.chunk_pool import KVCacheFull
 from chunkserve.workers.config import ModelConfig
+from chunkserve.workers.engine_config import EngineConfig
 from chunkserve.workers.kvcache import PrefixKVCache
-from chunkserve.workers.linear import QUANT_MODES
 from chunkserve.workers.output import Detokenizer, StepOutput
 from chunkserve.workers.protocol import InvalidRequestError, KVPoolTooSmallError, PromptTooLongError
 from chunkserve.workers.runner import ModelRunner
@@ -28,42 +27,6 @@ from chunkserve.workers.sampler import Sampler
 from chunkserve.workers.sampling import SamplingParams
 from chunkserve.workers.scheduler import Request, Scheduler, SchedulerConfig
 from chunkserve.workers.weights import LoadedModel, load_model
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine options. ``model``: None (embedded SmolLM2), a local HF dir, "random:<preset>" or a config."""
-
-    model: Any = None
-    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: bf16 on CUDA and on CPUs with
-    # AVX512-BF16/AMX (workers/device.py), fp32 on other CPUs
-    device: str = "cpu"
-    chunk_size: int = 64
-    share_prefix: bool = True
-    attention_backend: str = "auto"  # decode: torch | triton | paged-torch | paged-triton | reference | auto
-    prefill_backend: str = "auto"
-    num_kv_chunks: int | None = None  # default: kv_cache_gb worth of chunks
-    kv_cache_gb: float = 2.0
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's setting
-    prepack_weights: bool = True  # CPU: keep a oneDNN-blocked copy of the matmul weights (faster, 2x memory)
-    quantization: str | None = None  # "int8": weight-only per-channel int8 linears of the layers (lm_head dense)
-    fair_share: bool = True  # VTC fair share across tenants (workers/fairness.py); False: first come, first served
-    max_pinned_fraction: float = 0.5  # cache_control pins may hold at most this share of the KV pool
-    extra: dict = field(default_factory=dict, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
-            raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
-        if self.kv_cache_gb <= 0:
-            raise ValueError("kv_cache_gb must be > 0")
-        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
-            raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
-        if self.quantization is not None and self.quantization not in QUANT_MODES:
-            raise ValueError(f"quantization must be one of {QUANT_MODES} or None, got {self.quantization!r}")
 
 
 class EngineCore:

@@ -22,8 +22,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from chunkserve.workers.engine_config import QUANT_MODES as QUANT_MODES  # one list, torch-free (re-exported)
+
 LinearFn = Callable[[torch.Tensor], torch.Tensor]  # x: [T, K] -> y: [T, N]
-QUANT_MODES = ("int8", "int4")  # int4: block-quantised, see workers/quant.py
 _INT8_MAX = 127
 
 

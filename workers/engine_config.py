@@ -1,0 +1,51 @@
+"""`EngineConfig`: the engine's options, torch-free.
+
+The worker builds its `EngineCore` from it, and the served application's `AppConfig.engine` (router/app.py)
+is this same class, validated by Pydantic when the app is built: a misspelt field fails `serve deploy`
+at once, naming the field, and the ingress reads ``chunk_size`` and ``max_model_len`` from the very object
+the workers get, so the router's hash chains and the workers' chunks always agree.
+This module imports nothing heavy (no torch, no model), so the ingress process can use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+QUANT_MODES = ("int8", "int4")  # int4: block-quantised, see workers/quant.py
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options. ``model``: None (embedded SmolLM2), a local HF dir, "random:<preset>" or a config."""
+
+    model: Any = None
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: bf16 on CUDA and on CPUs with
+    # AVX512-BF16/AMX (workers/device.py), fp32 on other CPUs
+    device: str = "cpu"
+    chunk_size: int = 64
+    share_prefix: bool = True
+    attention_backend: str = "auto"  # decode: torch | triton | paged-torch | paged-triton | reference | auto
+    prefill_backend: str = "auto"
+    num_kv_chunks: int | None = None  # default: kv_cache_gb worth of chunks
+    kv_cache_gb: float = 2.0
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's setting
+    prepack_weights: bool = True  # CPU: keep a oneDNN-blocked copy of the matmul weights (faster, 2x memory)
+    quantization: str | None = None  # "int8": weight-only per-channel int8 linears of the layers (lm_head dense)
+    fair_share: bool = True  # VTC fair share across tenants (workers/fairness.py); False: first come, first served
+    max_pinned_fraction: float = 0.5  # cache_control pins may hold at most this share of the KV pool
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
+            raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError("kv_cache_gb must be > 0")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
+        if self.quantization is not None and self.quantization not in QUANT_MODES:
+            raise ValueError(f"quantization must be one of {QUANT_MODES} or None, got {self.quantization!r}")
