@@ -9,7 +9,8 @@ Ctrl-C stops at once.
 Engine threads follow `workers.cpu_budget.engine_threads` (a local Ray started with ``--num-cpus N``
 budgets N cores per node); ``--engine '{"num_threads": K}'`` fixes them.
 The launcher is the one place that ties router/, workers/ and cluster/ together, so it imports
-the application lazily.
+the application lazily. Programmatic use: ``launch(AppConfig(...), LaunchOptions(...))`` (or `start` /
+`shutdown` around your own code); ``main(argv)`` only turns the flags into those two objects.
 """
 
 from __future__ import annotations
@@ -18,14 +19,19 @@ import argparse
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
+
+if TYPE_CHECKING:
+    from chunkserve.router.app import AppConfig
 
 logger = logging.getLogger("chunkserve.up")
 
@@ -54,7 +60,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def app_config(args: argparse.Namespace, redis_url: str) -> Any:
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Where and how the cluster runs (what is not the application's `AppConfig`)."""
+
+    http_port: int = 8000
+    grpc_port: int = 9000
+    host: str = "127.0.0.1"  # bind address of the proxies
+    address: str | None = None  # join this Ray cluster instead of starting a local one
+    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
+    num_cpus: int | None = None  # CPUs of a local Ray (None: all)
+    exit_after: float | None = None  # tests: stop by itself after this many seconds
+
+
+def launch_options(args: argparse.Namespace) -> LaunchOptions:
+    return LaunchOptions(http_port=args.http_port, grpc_port=args.grpc_port, host=args.host, address=args.address,
+                         proxy_location=args.proxy_location, num_cpus=args.num_cpus, exit_after=args.exit_after)
+
+
+def app_config(args: argparse.Namespace) -> AppConfig:
+    """The `AppConfig` the flags describe: ``--config`` (AppConfig fields, or a Serve config file whose first
+    application's args are used), then the flags on top. ``redis_url`` is ``--redis-url`` or None (start one)."""
     from chunkserve.router.app import AppConfig
 
     base: dict[str, Any] = {}
@@ -78,17 +104,17 @@ def app_config(args: argparse.Namespace, redis_url: str) -> Any:
         base["drain_grace_s"] = args.drain_grace
     if args.num_cpus and not args.address:
         base.setdefault("node_cpus", args.num_cpus)  # the local Ray node has that many CPUs: budget those
-    base["redis_url"] = redis_url
+    base["redis_url"] = args.redis_url
     return AppConfig(**base)
 
 
-def describe_threads(cfg: Any) -> str:
+def describe_threads(cfg: AppConfig) -> str:
     """What each worker's engine threads will be on this machine, for the start-up message."""
     from chunkserve.workers.cpu_budget import available_cpus, rule_threads
 
     rule = cfg.thread_rule()
     if rule is None:
-        fixed = cfg.engine.get("num_threads")
+        fixed = cfg.engine.num_threads
         return f"engine threads per worker: {fixed}" if fixed else "engine threads: the device's default"
     cpus = rule.get("node_cpus") or available_cpus()
     n = rule_threads(rule)
@@ -107,31 +133,43 @@ def redis_for(url: str | None) -> Iterator[str]:
         yield server.url
 
 
-def serve_app(args: argparse.Namespace, redis_url: str) -> Any:
-    """Starts Ray and Serve and deploys the app; returns its AppConfig."""
+def start(cfg: AppConfig, opts: LaunchOptions) -> None:
+    """Starts Ray and Serve and deploys the app ``cfg`` (whose ``redis_url`` must be set: see `redis_for`)."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
 
     from chunkserve.router.app import APP_NAME, GRPC_SERVICER, build_app
 
-    cfg = app_config(args, redis_url)
+    if not cfg.redis_url:
+        raise ValueError("start() needs cfg.redis_url (launch() starts a Redis server when it is None)")
     init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                            "runtime_env": {"env_vars": {"CHUNKSERVE_REDIS_URL": redis_url}}}
-    if args.address:
-        init["address"] = args.address
-    elif args.num_cpus:
-        init["num_cpus"] = args.num_cpus
+                            "runtime_env": {"env_vars": {"CHUNKSERVE_REDIS_URL": cfg.redis_url}}}
+    if opts.address:
+        init["address"] = opts.address
+    elif opts.num_cpus:
+        init["num_cpus"] = opts.num_cpus
     ray.init(**init)
-    serve.start(proxy_location=args.proxy_location, http_options={"host": args.host, "port": args.http_port},
-                grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
+    serve.start(proxy_location=opts.proxy_location, http_options={"host": opts.host, "port": opts.http_port},
+                grpc_options=gRPCOptions(port=opts.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
-    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
+    try:
+        cfg = app_config(args)
+    except (ValueError, OSError) as e:  # pydantic's ValidationError is a ValueError; names the bad field
+        print(f"chunkserve up: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    return launch(cfg, launch_options(args))
+
+
+def launch(cfg: AppConfig, opts: LaunchOptions | None = None) -> int:
+    """`chunkserve up` for an `AppConfig`: Redis (unless ``cfg.redis_url``), Ray, Serve and the app, until
+    Ctrl-C / SIGTERM (or ``opts.exit_after``), then the drain and the shutdown. -> the exit status."""
+    opts = opts or LaunchOptions()
     stop = threading.Event()
 
     def on_signal(*_: Any) -> None:
@@ -141,25 +179,26 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    if args.address and not args.redis_url:
+    if opts.address and not cfg.redis_url:
         logger.warning("--address without --redis-url: the Redis started here listens on 127.0.0.1 only, so "
                        "workers on other machines cannot publish to the prefix index (routing then falls back to "
                        "rendezvous + load); pass --redis-url redis://<reachable host>:<port>/0 for a multi-machine cluster")
-    with redis_for(args.redis_url) as redis_url:
+    with redis_for(cfg.redis_url) as redis_url:
         try:
             t0 = time.perf_counter()
-            cfg = serve_app(args, redis_url)
+            cfg = cfg.model_copy(update={"redis_url": redis_url})
+            start(cfg, opts)
             for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installs its own handlers: take them back
                 signal.signal(sig, on_signal)
-            mode = f"tenants from {args.tenants}" if args.tenants else "open mode (single tenant 'public')"
+            mode = f"tenants from {cfg.tenants}" if cfg.tenants else "open mode (single tenant 'public')"
             print(f"chunkserve is up in {time.perf_counter() - t0:.0f} s ({mode})\n"
-                  f"  HTTP (OpenAI API): http://{args.host}:{args.http_port}/v1\n"
-                  f"  gRPC (chunkserve.v1.ChunkServe): {args.host}:{args.grpc_port}\n"
-                  f"  metrics: http://{args.host}:{args.http_port}/metrics\n"
+                  f"  HTTP (OpenAI API): http://{opts.host}:{opts.http_port}/v1\n"
+                  f"  gRPC (chunkserve.v1.ChunkServe): {opts.host}:{opts.grpc_port}\n"
+                  f"  metrics: http://{opts.host}:{opts.http_port}/metrics\n"
                   f"  Redis prefix index: {redis_url}\n"
                   f"  {describe_threads(cfg)}\n"
                   f"Ctrl-C to stop.", flush=True)
-            deadline = None if args.exit_after is None else time.monotonic() + args.exit_after
+            deadline = None if opts.exit_after is None else time.monotonic() + opts.exit_after
             while not stop.wait(0.5):
                 if deadline is not None and time.monotonic() > deadline:
                     break

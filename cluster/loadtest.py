@@ -147,22 +147,17 @@ def wait_ready(ep: Endpoints, timeout_s: float) -> float:
 def local_cluster(spec: ClusterSpec, tenants_path: Path | None, keys_path: Path | None) -> Iterator[Endpoints]:
     """Starts Ray, Redis and the Serve app in this process (as `chunkserve up`) and stops them after."""
     from chunkserve.cluster import launcher
+    from chunkserve.router.app import AppConfig
 
     http_port, grpc_port = free_port(), free_port()
-    argv = ["--workers", str(spec.workers), "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
-    if spec.model:
-        argv += ["--model", spec.model]
-    if spec.engine:
-        argv += ["--engine", json.dumps(spec.engine)]
-    if spec.num_cpus:
-        argv += ["--num-cpus", str(spec.num_cpus)]
-    if tenants_path is not None:
-        argv += ["--tenants", str(tenants_path)]
-    args = launcher.parse_args(argv)
+    opts = launcher.LaunchOptions(http_port=http_port, grpc_port=grpc_port, num_cpus=spec.num_cpus or None)
     with launcher.redis_for(None) as redis_url:
+        cfg = AppConfig(workers=spec.workers, model=spec.model or None, engine=dict(spec.engine or {}),
+                        tenants=str(tenants_path) if tenants_path is not None else None, redis_url=redis_url,
+                        node_cpus=spec.num_cpus or None)
         try:
             t0 = time.monotonic()
-            launcher.serve_app(args, redis_url)
+            launcher.start(cfg, opts)
             ep = Endpoints(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
                            str(keys_path) if keys_path else None, local=True)
             wait_ready(ep, spec.startup_timeout_s)

@@ -15,6 +15,7 @@ process). Engine threads: unless ``engine.num_threads`` is set, each CPU worker 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,12 +25,36 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
+from chunkserve.cluster.reader import ReaderConfig
 from chunkserve.router.engine_client import HandleEngineClient
 from chunkserve.router.ingress import Ingress, IngressConfig
+from chunkserve.router.policy import PolicyConfig
 from chunkserve.router.tenants import load_tenants
+from chunkserve.workers.engine_config import EngineConfig
 
 GRPC_SERVICER = "chunkserve.router.grpc_service.add_servicer_raw"  # raw bytes: size checked before parsing
 APP_NAME = "chunkserve"
+
+
+class RouterConfig(BaseModel):
+    """`PrefixAwareRouter`'s options (its ``request_router_kwargs``, less the Redis URL and namespace, which are
+    `AppConfig` fields shared with the workers and the ingress)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_chunks: int = Field(DEFAULT_MAX_DEPTH, ge=1)  # leading chunk hashes looked up per request
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)  # spill / load-cost knobs (router/policy.py)
+    reader: ReaderConfig = Field(default_factory=ReaderConfig)  # index-read cache and wait (cluster/reader.py)
+    enable_metrics: bool = True  # the router's Ray Serve metrics
+    cluster_mode: bool = False  # Redis Cluster key routing of the index client
+    predictions: bool = True  # send the routing prediction with each request (scored by the worker)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The router's ``initialize_state`` keyword arguments (plain data: they cross to Serve's controller)."""
+        return {"max_chunks": self.max_chunks, "policy": dataclasses.asdict(self.policy),
+                "reader": dataclasses.asdict(self.reader), "enable_metrics": self.enable_metrics,
+                "cluster_mode": self.cluster_mode, "predictions": self.predictions}
 
 
 class AppConfig(BaseModel):
@@ -58,8 +83,9 @@ class AppConfig(BaseModel):
     lease_ttl_s: float = 5.0
     namespace: str = "chunkserve"  # Redis key namespace of the prefix index and worker stats
     tenants: str | None = None  # a tenants YAML; None: open mode with the single tenant "public"
-    engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig fields (chunk_size, dtype, ...)
-    router: dict[str, Any] = Field(default_factory=dict)  # PrefixAwareRouter kwargs (policy, reader, ...)
+    # The workers' engine (chunk_size, dtype, ...): the ingress takes chunk_size and max_model_len from it too.
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)  # PrefixAwareRouter's options
     max_ongoing_requests: int = 64
     # Stream items: a request's tokens leave the worker coalesced, the first at once, then at most one item
     # per interval of up to this many tokens (0 ms: one item per token).
@@ -74,21 +100,23 @@ class AppConfig(BaseModel):
     # ingress replica enforces them for the traffic it sees.
     shared_rate_limits: bool = True
 
-    @model_validator(mode="after")
-    def _one_index_location(self) -> AppConfig:
+    @model_validator(mode="before")
+    @classmethod
+    def _one_index_location(cls, data: Any) -> Any:
         """The workers and the ingress use ``redis_url``/``namespace`` too: a router-only value would split them."""
-        clash = sorted({"redis_url", "namespace"} & set(self.router))
+        router = data.get("router") if isinstance(data, dict) else None
+        clash = sorted({"redis_url", "namespace"} & set(router)) if isinstance(router, dict) else []
         if clash:
             raise ValueError(f"set {clash} as top-level AppConfig fields, not in router= (the workers publish "
                              f"to the index and the ingress reads their stats there too)")
-        return self
+        return data
 
     def resolved_redis_url(self) -> str | None:
         return self.redis_url or os.environ.get("CHUNKSERVE_REDIS_URL") or None
 
     def thread_rule(self) -> dict[str, int] | None:
         """The workers' engine-thread rule, or None when the engine config fixes the threads (or GPUs)."""
-        if "num_threads" in self.engine or self.worker_num_gpus:
+        if self.engine.num_threads is not None or self.worker_num_gpus:
             return None
         per_node = self.workers_per_node
         if per_node is None:
@@ -97,6 +125,19 @@ class AppConfig(BaseModel):
         if self.node_cpus is not None:
             rule["node_cpus"] = self.node_cpus
         return rule
+
+    def worker_engine(self) -> EngineConfig:
+        """The engine config each worker gets: ``engine`` with the app's ``model`` (unless the engine names its
+        own) and, for GPU workers, ``device="cuda"`` unless the engine sets a device other than the default."""
+        engine = self.engine
+        if self.model is not None and engine.model is None:
+            engine = dataclasses.replace(engine, model=self.model)
+        if self.worker_num_gpus and engine.device == _ENGINE_DEFAULTS["device"]:
+            engine = dataclasses.replace(engine, device="cuda")
+        return engine
+
+
+_ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
 def _embedded_checkpoint_dir() -> Path:
@@ -151,10 +192,9 @@ class ServeIngress(Ingress):
     def __init__(self, worker_handle: Any, cfg_json: str) -> None:
         cfg = AppConfig.model_validate_json(cfg_json)
         tokenizer, max_len, vocab = _model_info(cfg.model)
-        engine_max = cfg.engine.get("max_model_len")
-        chunk = int(cfg.engine.get("chunk_size", 64))
+        engine_max = cfg.engine.max_model_len  # the engine's rule: min(engine setting or model's, model's)
         icfg = IngressConfig(model_name=cfg.model_name, max_model_len=min(max_len, engine_max or max_len),
-                             chunk_size=chunk, vocab_size=vocab, max_failovers=cfg.max_failovers)
+                             chunk_size=cfg.engine.chunk_size, vocab_size=vocab, max_failovers=cfg.max_failovers)
         url = cfg.resolved_redis_url()
         tenants = load_tenants(cfg.tenants)
         stats = limiter = None
@@ -177,17 +217,13 @@ def build_app(cfg: AppConfig) -> Any:
     from chunkserve.workers.deployment import build_worker_deployment
 
     redis_url = cfg.resolved_redis_url()
-    router_kwargs = {"redis_url": redis_url, "namespace": cfg.namespace, **cfg.router}
+    router_kwargs = {"redis_url": redis_url, "namespace": cfg.namespace, **cfg.router.kwargs()}
     actor_opts: dict[str, Any] = {"num_cpus": cfg.worker_num_cpus}
     if cfg.worker_num_gpus:
         actor_opts["num_gpus"] = cfg.worker_num_gpus
     if cfg.worker_resources:
         actor_opts["resources"] = dict(cfg.worker_resources)
-    engine = dict(cfg.engine)
-    if cfg.model is not None:
-        engine.setdefault("model", cfg.model)
-    if cfg.worker_num_gpus:
-        engine.setdefault("device", "cuda")
+    engine = cfg.worker_engine()
     worker_cls = build_worker_deployment(num_replicas=cfg.workers, ray_actor_options=actor_opts,
                                          router_kwargs=router_kwargs, autoscaling_config=cfg.autoscaling,
                                          max_ongoing_requests=cfg.max_ongoing_requests,
@@ -202,7 +238,8 @@ def build_app(cfg: AppConfig) -> Any:
 
 
 def app_builder(args: dict[str, Any]) -> Any:
-    """`serve run` / `serve deploy` entry point: ``args`` are `AppConfig` fields."""
+    """`serve run` / `serve deploy` entry point: ``args`` are `AppConfig` fields, validated here, so a misspelt
+    or ill-typed field fails the deploy at once with a `pydantic.ValidationError` naming it (e.g. ``engine.chunk_sise``)."""
     args = dict(args or {})
     for key in ("engine", "router", "autoscaling", "worker_resources"):
         if isinstance(args.get(key), str):

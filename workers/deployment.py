@@ -22,9 +22,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from chunkserve.workers.async_engine import AsyncEngine
 from chunkserve.workers.cpu_budget import rule_threads
-from chunkserve.workers.engine import EngineConfig
+from chunkserve.workers.engine_config import EngineConfig
 from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
 from chunkserve.workers.streaming import StreamBatching
 from chunkserve.workers.worker_metrics import RoutingAccuracy, TenantTokens, WorkerMetrics
@@ -54,6 +53,8 @@ class WorkerServer:
             cfg = dataclasses.replace(cfg, num_threads=rule_threads(thread_rule))
         self.worker_id = worker_id
         self.batching = StreamBatching.from_options(stream_batching)
+        from chunkserve.workers.async_engine import AsyncEngine  # torch: only inside the replica
+
         self.engine = AsyncEngine(cfg)
         self.metrics = WorkerMetrics(worker_id, enable_ray=enable_ray_metrics)
         self.routing = RoutingAccuracy(worker_id, self.engine.core.cache.chunk_size)

@@ -9,6 +9,7 @@ holding its prefix; a round-robin router and Ray Serve's default router (same ap
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import socket
 import time
@@ -25,7 +26,7 @@ from chunkserve.client import HTTPClient
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.index import PrefixIndex
 from chunkserve.cluster.redis_server import RedisServer
-from chunkserve.router.policy import rendezvous_weight
+from chunkserve.router.policy import PolicyConfig, rendezvous_weight
 from chunkserve.router.tenants import hash_api_key, load_tenants
 
 ray = pytest.importorskip("ray")
@@ -233,7 +234,8 @@ def test_router_kwargs_cannot_point_the_router_at_another_index() -> None:
         AppConfig(router={"namespace": "elsewhere"})
     with pytest.raises(ValueError, match="top-level AppConfig fields"):
         AppConfig(router={"redis_url": "redis://127.0.0.1:1/0"})
-    assert AppConfig(router={"policy": SPILL}, namespace=NS).router == {"policy": SPILL}
+    assert AppConfig(router={"policy": SPILL}, namespace=NS).router.kwargs()["policy"] == {
+        **dataclasses.asdict(PolicyConfig()), **SPILL}
 
 
 def test_exported_prediction_accuracy_equals_recomputation_from_worker_logs(

@@ -1,0 +1,35 @@
+"""`chunkserve up`'s flags become one `AppConfig` plus `LaunchOptions`; a bad field stops it before Ray starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chunkserve.cluster import launcher
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_flags_on_top_of_a_serve_config_file_give_one_app_config() -> None:
+    args = launcher.parse_args(["--config", str(ROOT / "deploy" / "local.yaml"), "--workers", "3",
+                                "--engine", '{"chunk_size": 32}', "--dtype", "float32", "--num-cpus", "4",
+                                "--http-port", "8123"])
+    cfg = launcher.app_config(args)
+    assert cfg.workers == 3 and cfg.node_cpus == 4 and cfg.redis_url is None
+    assert (cfg.engine.chunk_size, cfg.engine.dtype, cfg.engine.kv_cache_gb) == (32, "float32", 1.0)  # YAML kept
+    opts = launcher.launch_options(args)
+    assert (opts.http_port, opts.num_cpus, opts.proxy_location) == (8123, 4, "EveryNode")
+
+
+def test_misspelt_engine_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launcher.main(["--engine", '{"chunk_sise": 32}']) == 2
+    err = capsys.readouterr().err
+    assert "invalid configuration" in err and "engine.chunk_sise" in err
+
+
+def test_start_refuses_a_config_without_a_redis_url() -> None:
+    from chunkserve.router.app import AppConfig
+
+    with pytest.raises(ValueError, match="redis_url"):
+        launcher.start(AppConfig(), launcher.LaunchOptions())
