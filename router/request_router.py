@@ -149,7 +149,7 @@ class PrefixAwareRouter(RequestRouter):
         decision = self._policy.decide([self._load(r) for r in candidate_replicas], chain, matches)
         req_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         prev = self._reserved.get(req_id) if req_id is not None else None
-        if self._predictions and pending_request is not None and pending_request.kwargs is not None:
+        if self._predictions and pending_request is not None and CHAIN_KWARG in (pending_request.kwargs or {}):
             # the prediction, scored by the worker that runs it (workers/worker_metrics.RoutingAccuracy)
             pending_request.kwargs[ROUTING_KWARG] = {"reason": decision.reason, "depth": len(chain),
                                                      "expected": dict(decision.expected)}
