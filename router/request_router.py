@@ -65,8 +65,8 @@ class PrefixAwareRouter(RequestRouter):
     index), ``namespace``, ``max_chunks`` (K, chunks looked up per request), ``policy`` (dict of
     :class:`PolicyConfig` fields), ``reader`` (dict of :class:`ReaderConfig` fields), ``enable_metrics``,
     ``cluster_mode`` (True for Redis Cluster: one script call per worker instead of one for all),
-    ``predictions`` (True: add the routing prediction to each request as the keyword argument ``routing``,
-    for a deployment that accepts it, as the chunkserve worker does).
+    ``predictions`` (True: add the routing prediction as the keyword argument ``routing`` to each request
+    that passes ``chunk_hashes`` as a keyword, for a method that accepts it, as the worker's generate does).
     """
 
     def initialize_state(self, redis_url: str | None = None, namespace: str = DEFAULT_NAMESPACE,
