@@ -78,7 +78,7 @@ def evaluate(records: list[dict[str, Any]], samples: list[Any], rate: float, run
     norm = dist(r["e2e"] / r["output_tokens"] for r in ok if r.get("output_tokens"))["mean"]
     failed = len(records) - len(ok)
     outs = [r["output_tokens"] for r in ok]
-    peak = max((s.running for s in samples if s.ok), default=0.0)
+    peak = max((s.num_requests_running for s in samples if s.ok), default=0.0)
     good = bool(ok) and failed == 0 and tpot is not None and tpot <= bound_ms
     return Point(rate, len(records), failed, tpot, ttft, norm, len(ok) / run_s,
                  sum(outs) / len(outs) if outs else None, peak, good)

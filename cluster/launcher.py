@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
+from chunkserve.cluster.device_flag import add_device_arg, apply_device
+
 if TYPE_CHECKING:
     from chunkserve.router.app import AppConfig
 
@@ -51,7 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--config", default=None, help="YAML of AppConfig fields (CLI flags win)")
     ap.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray (default: all)")
     ap.add_argument("--engine", default=None, help="JSON of EngineConfig fields, e.g. '{\"chunk_size\": 32}'")
-    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on CPUs with native bf16)")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA and on CPUs "
+                    "with native bf16, else fp32)")
+    add_device_arg(ap)
     ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
                     help="int8: weight-only int8 linears; int4: Q4_1 layers + Q8_0 lm_head (llama.cpp-style)")
     ap.add_argument("--drain-grace", type=float, default=None,
@@ -100,6 +104,7 @@ def app_config(args: argparse.Namespace) -> AppConfig:
     for key in ("dtype", "quantization"):
         if getattr(args, key) is not None:
             base["engine"] = {**base.get("engine", {}), key: getattr(args, key)}
+    apply_device(getattr(args, "device", None), base)
     if args.drain_grace is not None:
         base["drain_grace_s"] = args.drain_grace
     if args.num_cpus and not args.address:

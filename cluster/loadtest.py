@@ -199,7 +199,8 @@ def wait_idle(sampler: MetricsSampler, timeout_s: float) -> bool:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         s = sampler.sample()
-        busy = s.running + s.waiting + sum(w.get("running", 0) + w.get("waiting", 0) for w in s.workers.values())
+        busy = s.num_requests_running + s.num_requests_waiting + sum(
+            w.get("num_requests_running", 0) + w.get("num_requests_waiting", 0) for w in s.workers.values())
         if s.ok and busy == 0:
             return True
         time.sleep(1.0)

@@ -28,8 +28,8 @@ _COUNTERS = {
     "chunkserve:prompt_tokens_total": "prompt_tokens",
     "chunkserve:request_success_total": "requests_done",
     "chunkserve:request_errors_total": "request_errors",
-    "chunkserve:num_requests_running": "running",
-    "chunkserve:num_requests_waiting": "waiting",
+    "chunkserve:num_requests_running": "num_requests_running",
+    "chunkserve:num_requests_waiting": "num_requests_waiting",
 }
 _KV_GAUGE = "chunkserve:kv_cache_usage_perc"
 
@@ -46,28 +46,25 @@ class Sample:
     prompt_tokens: float = 0.0
     requests_done: float = 0.0
     request_errors: float = 0.0
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float | None = None  # the ingress gauge (None when the server does not set it)
-    workers: dict[str, dict[str, float]] = field(default_factory=dict)  # worker -> kv_usage, cached, ...
+    num_requests_running: float = 0.0
+    num_requests_waiting: float = 0.0
+    kv_cache_usage_perc: float | None = None  # the ingress gauge (None when the server does not set it)
+    # worker -> its `EngineStats` figures by their names (kv_cache_usage_perc, kv_chunks_used, ...)
+    workers: dict[str, dict[str, float]] = field(default_factory=dict)
     rss_mb: dict[str, float] = field(default_factory=dict)  # worker pid -> resident MiB
 
     @property
     def kv_usage_workers(self) -> float | None:
         """Mean KV usage over the workers (from their engine stats), else the ingress gauge."""
-        vals = [w["kv_usage"] for w in self.workers.values() if "kv_usage" in w]
-        return sum(vals) / len(vals) if vals else self.kv_usage
+        vals = [w["kv_cache_usage_perc"] for w in self.workers.values() if "kv_cache_usage_perc" in w]
+        return sum(vals) / len(vals) if vals else self.kv_cache_usage_perc
 
 
-# per-worker series of /metrics (``chunkserve:worker_<name>{worker_id=...}``, when the server exports them)
-_WORKER_SERIES = {
-    "chunkserve:worker_kv_cache_usage_perc": "kv_usage",
-    "chunkserve:worker_kv_chunks_used": "kv_chunks_used",
-    "chunkserve:worker_kv_chunks_cached": "kv_chunks_cached",
-    "chunkserve:worker_kv_chunks_total": "kv_chunks_total",
-    "chunkserve:worker_num_requests_running": "running",
-    "chunkserve:worker_num_requests_waiting": "waiting",
-}
+# per-worker figures, `EngineStats` field names: from /metrics (``chunkserve:worker_<name>{worker_id=...}``,
+# when the server exports them) or from each replica's ``record_routing_stats``
+WORKER_FIELDS = ("kv_cache_usage_perc", "kv_chunks_used", "kv_chunks_cached", "kv_chunks_total",
+                 "num_requests_running", "num_requests_waiting")
+_WORKER_SERIES = {f"chunkserve:worker_{name}": name for name in WORKER_FIELDS}
 
 
 def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
@@ -83,7 +80,7 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, dict[str, floa
                 key = _COUNTERS[s.name]
                 out[key] = out.get(key, 0.0) + float(s.value)
             elif s.name == _KV_GAUGE:
-                out["kv_usage"] = max(out.get("kv_usage", 0.0), float(s.value))
+                out["kv_cache_usage_perc"] = max(out.get("kv_cache_usage_perc", 0.0), float(s.value))
             elif s.name in _WORKER_SERIES and "worker_id" in s.labels:
                 workers.setdefault(s.labels["worker_id"], {})[_WORKER_SERIES[s.name]] = float(s.value)
     return out, workers
@@ -110,7 +107,7 @@ class RayWorkers:
         self._handles = {n.rsplit("#", 1)[-1]: ray.get_actor(n, namespace="serve") for n in names}
 
     def stats(self, timeout: float = 5.0) -> dict[str, dict[str, float]]:
-        """replica id -> kv_usage, kv_chunks_cached, running, waiting (replicas that answered in time)."""
+        """replica id -> its `WORKER_FIELDS` (replicas that answered in time)."""
         import ray
 
         if not self._handles:
@@ -124,9 +121,7 @@ class RayWorkers:
                 logger.debug("worker %s stats: %s", rid, e)
                 self._handles.clear()
                 continue
-            out[rid] = {"kv_usage": float(st.get("kv_cache_usage_perc", 0.0)),
-                        "kv_chunks_cached": float(st.get("kv_chunks_cached", 0)),
-                        "running": float(st.get("num_running", 0)), "waiting": float(st.get("num_waiting", 0))}
+            out[rid] = {name: float(st[name]) for name in WORKER_FIELDS}
         return out
 
 

@@ -84,7 +84,8 @@ def summarize(records: list[dict[str, Any]], samples: list[Sample], run_s: float
             "prefix_cache_hits": last.cache_hits - first.cache_hits, "prefix_cache_queries": dq,
             "generation_tokens": last.generation_tokens - first.generation_tokens,
             "request_errors": last.request_errors - first.request_errors,
-            "peak_running": max(s.running for s in good), "peak_waiting": max(s.waiting for s in good),
+            "peak_running": max(s.num_requests_running for s in good),
+            "peak_waiting": max(s.num_requests_waiting for s in good),
             "peak_kv_usage": max((s.kv_usage_workers or 0.0) for s in good),
         }
     rss = [s.rss_mb for s in samples if s.rss_mb]
@@ -117,7 +118,7 @@ class SoakVerdict:
 
 def _in_use(worker: dict[str, float]) -> float:
     """KV chunks in use (the fraction in use when the chunk count is not reported)."""
-    return worker["kv_chunks_used"] if "kv_chunks_used" in worker else worker.get("kv_usage", 0.0)
+    return worker["kv_chunks_used"] if "kv_chunks_used" in worker else worker.get("kv_cache_usage_perc", 0.0)
 
 
 def soak_verdict(samples: list[Sample], load_start_t: float, warmup_s: float, rss_limit: float = 0.05,
@@ -207,10 +208,11 @@ def write_plots(out_dir: str | Path, records: list[dict[str, Any]], samples: lis
         per_worker = sorted({w for s in good for w in s.workers})
         if per_worker:
             for w in per_worker:
-                ax.plot(ts, [100 * s.workers.get(w, {}).get("kv_usage", math.nan) for s in good],
+                ax.plot(ts, [100 * s.workers.get(w, {}).get("kv_cache_usage_perc", math.nan) for s in good],
                         label=f"KV in use, worker {w[:6]}")
-        elif any(s.kv_usage is not None for s in good):
-            ax.plot(ts, [100 * (s.kv_usage if s.kv_usage is not None else math.nan) for s in good], label="KV in use")
+        elif any(s.kv_cache_usage_perc is not None for s in good):
+            ax.plot(ts, [100 * (s.kv_cache_usage_perc if s.kv_cache_usage_perc is not None else math.nan)
+                         for s in good], label="KV in use")
         hit = [math.nan]
         for a, b in zip(good, good[1:], strict=False):
             dq = b.cache_queries - a.cache_queries

@@ -105,10 +105,10 @@ class PrefixAwareRouter(RequestRouter):
     def _load(self, r: RunningReplica) -> ReplicaLoad:
         """Ongoing requests (ours and Serve's count) plus the engine's waiting queue once more: a request that
         waits for KV room is a sign of a full worker, so queues do not pile up on one replica under KV
-        pressure (``record_routing_stats`` reports ``num_waiting`` about once a second)."""
+        pressure (``record_routing_stats`` reports ``num_requests_waiting`` about once a second)."""
         wid = r.replica_id.unique_id
         cached = self.replica_queue_len_cache.get(r.replica_id)
-        waiting = _stat(r, "num_waiting")
+        waiting = _stat(r, "num_requests_waiting")
         return ReplicaLoad(wid, max(self._local_load[wid], cached or 0) + waiting, r.max_ongoing_requests)
 
     def _reserve(self, req_id: str, wid: str) -> None:

@@ -27,6 +27,7 @@ from chunkserve.workers.engine import EngineConfig, EngineCore
 from chunkserve.workers.protocol import (
     EngineDeadError,
     EngineError,
+    EngineStats,
     EngineStepError,
     GenerateDelta,
     GenerateRequest,
@@ -51,7 +52,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
         self._lock = threading.Lock()
-        self._stats: dict[str, Any] = self.core.stats()
+        self._stats = EngineStats.from_dict(self.core.stats())
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._stats_time = 0.0
         self._dead: str | None = None  # why the engine no longer takes requests
@@ -107,9 +108,9 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._post("abort", request_id)
 
-    def stats(self) -> dict[str, Any]:
-        """A snapshot taken by the engine thread after its last step (never blocks)."""
-        return dict(self._stats)
+    def stats(self) -> EngineStats:
+        """A snapshot taken by the engine thread after its last step (never blocks; immutable)."""
+        return self._stats
 
     async def forest_summary(self, top_n: int = 32, max_runs: int = 400) -> dict[str, Any]:
         """A bounded summary of the prefix forest (`tree_summary.summarize_forest`), taken on the engine
@@ -205,7 +206,7 @@ class AsyncEngine:
         while not self._stop.is_set():
             self._drain_inbox()
             if not core.has_work():
-                self._stats = core.stats()
+                self._stats = EngineStats.from_dict(core.stats())
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -238,7 +239,7 @@ class AsyncEngine:
             if deltas:
                 self._deliver(deltas)
             if now - self._stats_time > 0.1:
-                self._stats, self._stats_time = core.stats(), now
+                self._stats, self._stats_time = EngineStats.from_dict(core.stats()), now
 
 
 def _put_all(puts: list[tuple[str, asyncio.Queue, Any]]) -> None:

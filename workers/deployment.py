@@ -128,10 +128,12 @@ class WorkerServer:
             self.tenant_tokens.decoded(request.tenant, out)
 
     def routing_stats(self) -> dict[str, Any]:
+        """What the router reads about this replica (Serve's ``record_routing_stats``), by `EngineStats` names."""
         st = self.engine.stats()
-        return {"num_running": st.get("num_requests_running", 0), "num_waiting": st.get("num_requests_waiting", 0),
-                "kv_cache_usage_perc": st.get("kv_cache_usage_perc", 0.0),
-                "kv_chunks_cached": st.get("kv_chunks_cached", 0), "worker_id": self.worker_id}
+        return {"num_requests_running": st.num_requests_running, "num_requests_waiting": st.num_requests_waiting,
+                "kv_cache_usage_perc": st.kv_cache_usage_perc, "kv_chunks_used": st.kv_chunks_used,
+                "kv_chunks_cached": st.kv_chunks_cached, "kv_chunks_total": st.kv_chunks_total,
+                "worker_id": self.worker_id}
 
     def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "worker_id": self.worker_id,

@@ -13,9 +13,10 @@ frontend that only tokenises can use it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from chunkserve.workers.cache_control import PinSpec
 from chunkserve.workers.sampling import SamplingParams
@@ -103,16 +104,82 @@ class GenerateDelta:
     extra: dict = field(default_factory=dict)
 
 
+# ---- stats ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineStats(Mapping[str, Any]):
+    """One snapshot of an engine's figures, under the same names everywhere: the engine's ``stats()``, the
+    worker's metrics and Redis snapshot, the router's load, the load-test samples and report.
+
+    Read it by attribute; it is also a read-only mapping of the same names (``dict(stats)``, ``stats["x"]``),
+    which is what `LLM.stats()` and the JSON snapshots are. `from_dict` refuses a snapshot that lacks a field, so
+    a renamed key fails loudly instead of being skipped; keys it does not know land in ``extra``."""
+
+    kv_chunks_total: int  # the pool (workers/kvcache.py `PrefixKVCache.stats`)
+    kv_chunks_used: int  # referenced by live sequences
+    kv_chunks_free: int
+    kv_chunks_cached: int  # kept only as prefix cache (evictable)
+    num_sequences: int
+    logical_tokens: int
+    physical_tokens: int
+    shared_tokens: int
+    sharing_ratio: float
+    kv_bytes_used: int
+    peak_kv_bytes: int
+    bytes_per_chunk: int
+    num_requests_running: int  # the engine (workers/engine.py `EngineCore.stats`)
+    num_requests_waiting: int
+    num_preemptions: int  # cumulative
+    num_steps: int
+    tokens_computed: int
+    prompt_tokens_total: int  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cached_tokens: int  # cumulative prompt tokens served from it
+    kv_cache_usage_perc: float  # kv_chunks_used / kv_chunks_total
+    chunk_size: int
+    pinned_chunks: int = 0  # the scheduler (workers/scheduler.py `Scheduler.stats`)
+    fair_share: bool = True
+    tenant_sched: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # per tenant
+    extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # keys not declared above
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EngineStats:
+        missing = sorted(_STATS_REQUIRED - d.keys())
+        if missing:
+            raise KeyError(f"engine stats lack {missing} (a renamed or dropped field?)")
+        known = {k: v for k, v in d.items() if k in _STATS_FIELDS}
+        extra = {k: v for k, v in d.items() if k not in _STATS_FIELDS}
+        return cls(**known, extra=MappingProxyType(extra))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in _STATS_FIELDS:
+            return getattr(self, key)
+        return self.extra[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from _STATS_FIELDS
+        yield from self.extra
+
+    def __len__(self) -> int:
+        return len(_STATS_FIELDS) + len(self.extra)
+
+
+_STATS_FIELDS = tuple(f.name for f in fields(EngineStats) if f.name != "extra")
+_STATS_REQUIRED = frozenset(f.name for f in fields(EngineStats) if f.default is f.default_factory is MISSING)
+
+
 @runtime_checkable
 class EngineProtocol(Protocol):
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
-    def stats(self) -> dict: ...
+    def stats(self) -> Mapping[str, Any]: ...  # an `EngineStats` for engines of this package
 
 
 __all__ = [
-    "EngineDeadError", "EngineError", "EngineProtocol", "EngineStepError", "GenerateDelta", "GenerateRequest",
+    "EngineDeadError", "EngineError", "EngineProtocol", "EngineStats", "EngineStepError", "GenerateDelta",
+    "GenerateRequest",
     "InvalidRequestError", "InvalidSamplingError", "KVPoolTooSmallError", "PinRefusedError", "PromptTooLongError",
 ]

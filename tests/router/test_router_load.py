@@ -21,21 +21,21 @@ def _router(queue: dict[str, int]) -> SimpleNamespace:
 
 def test_load_counts_waiting_requests_on_top_of_the_ongoing_ones():
     router = _router({"a": 6, "b": 6})
-    a = PrefixAwareRouter._load(router, _replica("a", {"num_running": 2, "num_waiting": 4}))  # type: ignore[arg-type]
-    b = PrefixAwareRouter._load(router, _replica("b", {"num_running": 6, "num_waiting": 0}))  # type: ignore[arg-type]
+    a = PrefixAwareRouter._load(router, _replica("a", {"num_requests_running": 2, "num_requests_waiting": 4}))  # type: ignore[arg-type]
+    b = PrefixAwareRouter._load(router, _replica("b", {"num_requests_running": 6, "num_requests_waiting": 0}))  # type: ignore[arg-type]
     assert (a.ongoing, b.ongoing) == (10, 6)
 
 
 def test_malformed_or_missing_routing_stats_count_as_no_waiting():
     router = _router({"a": 3})
-    for stats in (None, {}, {"num_waiting": "9"}, {"num_waiting": -2}, ["x"]):
+    for stats in (None, {}, {"num_requests_waiting": "9"}, {"num_requests_waiting": -2}, ["x"]):
         assert PrefixAwareRouter._load(router, _replica("a", stats)).ongoing == 3  # type: ignore[arg-type]
 
 
 def test_with_equal_ongoing_a_cold_request_goes_to_the_worker_without_a_waiting_queue():
     router = _router({"a": 5, "b": 5})
-    loads = [PrefixAwareRouter._load(router, _replica("a", {"num_waiting": 4})),  # type: ignore[arg-type]
-             PrefixAwareRouter._load(router, _replica("b", {"num_waiting": 0}))]  # type: ignore[arg-type]
+    loads = [PrefixAwareRouter._load(router, _replica("a", {"num_requests_waiting": 4})),  # type: ignore[arg-type]
+             PrefixAwareRouter._load(router, _replica("b", {"num_requests_waiting": 0}))]  # type: ignore[arg-type]
     policy = PrefixPolicy(PolicyConfig())
     picks = Counter(policy.decide(loads, [], {}).replica_id for _ in range(10))
     assert picks["b"] == 10
