@@ -16,7 +16,7 @@ from chunkserve.kernels.prefill import PrefillTables
 from chunkserve.kernels.triton_common import _attend, check_triton_inputs, dot_flags, rows_config
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width"])  # chunks per row vary per step: no re-compiles
 def _prefill_kernel(Q, K, V, Out, table, tokens, block_pos, q_start, cu_q, scale, width,
                     stride_qt, stride_qh, stride_kh, stride_kn, stride_kt,
                     G: tl.constexpr, HEAD_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,

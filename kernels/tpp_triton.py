@@ -38,7 +38,7 @@ from chunkserve.kernels.triton_common import (
 KV_SPLIT_MIN_SLOTS = 512  # key slots per kv-split segment at least: its partial is then < 1% of its reads
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_split", "num_partials"])  # step-varying: no re-compiles
 def _tpp_phase1(Q, K, V, PO, PM, PL, run_start, run_end, run_chunk_ptr, run_chunks, run_tokens,
                 run_row_offset, scale, n_split, num_partials, stride_qb, stride_qh, stride_kh, stride_kn,
                 stride_kt, HQ: tl.constexpr, G: tl.constexpr, HEAD_D: tl.constexpr, CHUNK: tl.constexpr,
@@ -91,7 +91,7 @@ def _merge_runs(acc, m_i, l_i, PO, PM, PL, run_start, run_row_offset, seq_run_pt
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_split", "num_partials"])
 def _tpp_phase2(Q, K, V, Out, PO, PM, PL, SO, SM, SL, run_start, run_row_offset, seq_run_ptr, seq_runs,
                 chunk_start, chunk_count, chunks, tokens, scale, n_split, num_partials,
                 stride_qb, stride_qh, stride_ob, stride_oh, stride_kh, stride_kn, stride_kt,
@@ -132,7 +132,7 @@ def _tpp_phase2(Q, K, V, Out, PO, PM, PL, SO, SM, SL, run_start, run_row_offset,
                  out.to(Out.dtype.element_ty), mask=gd_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_split", "num_partials", "kv_split"])
 def _tpp_reduce(Out, PO, PM, PL, SO, SM, SL, run_start, run_row_offset, seq_run_ptr, seq_runs, n_split,
                 num_partials, kv_split, stride_ob, stride_oh, HQ: tl.constexpr, G: tl.constexpr,
                 HEAD_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RUNS: tl.constexpr):

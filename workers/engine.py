@@ -65,6 +65,11 @@ class EngineCore:
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        self.warmup_stats: dict[str, float] = {}
+        if cfg.warmup:
+            from chunkserve.workers.warmup import warm_up
+
+            self.warmup_stats = warm_up(self)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

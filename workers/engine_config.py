@@ -36,6 +36,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's setting
     prepack_weights: bool = True  # CPU: keep a oneDNN-blocked copy of the matmul weights (faster, 2x memory)
     quantization: str | None = None  # "int8": weight-only per-channel int8 linears of the layers (lm_head dense)
+    warmup: bool = True  # build/compile the kernels serving meets before the engine is ready (workers/warmup.py)
     fair_share: bool = True  # VTC fair share across tenants (workers/fairness.py); False: first come, first served
     max_pinned_fraction: float = 0.5  # cache_control pins may hold at most this share of the KV pool
     extra: dict[str, Any] = field(default_factory=dict, compare=False)

@@ -159,7 +159,8 @@ class _Recorder:
         fn = getattr(kernel, "fn", kernel)
         self.name = fn.__name__
         self.arg_names = list(inspect.signature(fn).parameters)
-        dns = getattr(fn, "do_not_specialize", None) or getattr(kernel, "do_not_specialize", None) or ()
+        dns = (getattr(kernel, "do_not_specialize", None)  # JITFunction
+               or (getattr(kernel, "kwargs", None) or {}).get("do_not_specialize") or ())  # interpreter
         self.skip = {self.arg_names[d] if isinstance(d, int) else d for d in dns}
         self.device = device
         self.launches = launches

@@ -21,13 +21,14 @@ META = torch.device("meta")
 CHUNK = 16
 
 
-def meta_engine(dtype: torch.dtype = torch.float16) -> EngineCore:
-    """A tiny random Llama on the meta device, served with the GPU's backends."""
+def meta_engine(dtype: torch.dtype = torch.float16, num_kv_chunks: int = 64) -> EngineCore:
+    """A tiny random Llama on the meta device, served with the GPU's backends (no warm-up: the
+    Triton kernels are stubbed only inside `stub_triton`)."""
     cpu = load_model("random:tiny", dtype="float32", tokenizer=False)
     sd = {k: v.to(META) for k, v in cpu.model.state_dict().items()}
     model = CausalLM.from_state_dict(cpu.config, sd, dtype=dtype, device=META)
-    cfg = EngineConfig(device="meta", chunk_size=CHUNK, num_kv_chunks=64, attention_backend="triton",
-                       prefill_backend="triton", prepack_weights=False, max_num_batched_tokens=256)
+    cfg = EngineConfig(device="meta", chunk_size=CHUNK, num_kv_chunks=num_kv_chunks, attention_backend="triton",
+                       prefill_backend="triton", prepack_weights=False, max_num_batched_tokens=256, warmup=False)
     return EngineCore(cfg, LoadedModel(model, None, cpu.config))
 
 
