@@ -217,6 +217,7 @@ class AsyncEngine:
                 failed = []
                 for req in list(core.scheduler.running) + list(core.scheduler.waiting):
                     core.abort(req.request_id)
+                    self._tenants.pop(req.request_id, None)
                     failed.append((req.request_id, EngineStepError(f"engine step failed: {e}")))
                 self._deliver(failed)
                 continue
