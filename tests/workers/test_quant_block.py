@@ -53,12 +53,14 @@ def test_q8_0_dequantised_weights_are_within_one_254th_of_each_blocks_max() -> N
 
 @pytest.mark.parametrize("cls", [Q4Weight, Q8Weight])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_linear_matches_the_dequantised_matmul_up_to_int8_activation_rounding(cls: type, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("k", [128, 96])  # 96: an odd number of blocks (the kernel pairs blocks)
+def test_block_linear_matches_the_dequantised_matmul_up_to_int8_activation_rounding(
+        cls: type, dtype: torch.dtype, k: int) -> None:
     g = torch.Generator().manual_seed(3)
-    w, b = torch.randn(72, 128, generator=g), torch.randn(72, generator=g)
+    w, b = torch.randn(72, k, generator=g), torch.randn(72, generator=g)
     qw = cls.quantize(w)
     for rows in (1, 3, 70):  # 70 rows: more than one activation tile
-        x = torch.randn(rows, 128, generator=g).to(dtype)
+        x = torch.randn(rows, k, generator=g).to(dtype)
         got = block_linear(qw, b.to(dtype), dtype)(x)
         want = F.linear(x.float(), qw.dequantize(), b)
         assert got.dtype == dtype and got.shape == (rows, 72)

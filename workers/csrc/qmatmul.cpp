@@ -92,9 +92,18 @@ void load_row(const void* x, int dtype, int64_t K, bool glu, const void* norm_w,
   }
 }
 
-// One row of K fp32 values -> K int8, K/32 scales a and K/32 sums s = a * sum(q).
-void quantize_row(const float* f, int64_t K, int8_t* q, float* a, float* s) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
+// Where element j of block b lands in a quantised row. pair: blocks 2i and 2i+1 interleaved by halves,
+// [x_2i[0:16], x_2i+1[0:16], x_2i[16:32], x_2i+1[16:32]], matching one 32-byte load of two Q4_1 blocks
+// (low nibbles = first halves, high nibbles = second halves); the last block of an odd count stays plain.
+inline int64_t slot(int64_t b, int64_t j, int64_t nb, bool pair) {
+  if (!pair || (b == nb - 1 && nb % 2)) return b * kBlock + j;
+  return (b & ~int64_t{1}) * kBlock + (j >= 16) * 32 + (b & 1) * 16 + (j & 15);
+}
+
+// One row of K fp32 values -> K int8 (in `slot` order), K/32 scales a and K/32 sums s = a * sum(q).
+void quantize_row(const float* f, int64_t K, int8_t* q, float* a, float* s, bool pair) {
+  const int64_t nb = K / kBlock;
+  for (int64_t b = 0; b < nb; ++b) {
     const float* buf = f + b * kBlock;
     float amax = 0.0f;
     for (int64_t j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(buf[j]));
@@ -102,7 +111,7 @@ void quantize_row(const float* f, int64_t K, int8_t* q, float* a, float* s) {
     int32_t sum = 0;
     for (int64_t j = 0; j < kBlock; ++j) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(buf[j] * inv));
-      q[b * kBlock + j] = static_cast<int8_t>(v);
+      q[slot(b, j, nb, pair)] = static_cast<int8_t>(v);
       sum += v;
     }
     a[b] = d;
@@ -119,8 +128,9 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// Per-block scales of R weight rows times the activation row's: sc[r * nb + b] = d[r][b] * a[b] (fp32), and the
-// Q4_1 minimum terms mins[r] = sum_b m[r][b] * s[b] (vectorised over 8 blocks on AVX2: vcvtph2ps).
+// Per-block scales of R weight rows times the activation row's, each written 4 times (one 8-lane vector scales
+// the 4 + 4 int32 lanes of a block pair): sc[(r * nb + b) * 4 + i] = d[r][b] * a[b], and the Q4_1 minimum terms
+// mins[r] = sum_b m[r][b] * s[b] (vectorised over 8 blocks on AVX2: vcvtph2ps).
 template <int R>
 void block_scales(const uint16_t* wd, const uint16_t* wm, int64_t nb, const float* xa, const float* xs, float* sc,
                   float* mins) {
@@ -129,9 +139,14 @@ void block_scales(const uint16_t* wd, const uint16_t* wm, int64_t nb, const floa
     float msum = 0.0f;
 #if CS_Q_AVX2
     __m256 mv = _mm256_setzero_ps();
+    const __m256i i0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256i step = _mm256_set1_epi32(2);
     for (; b + 8 <= nb; b += 8) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + r * nb + b)));
-      _mm256_storeu_ps(sc + r * nb + b, _mm256_mul_ps(d, _mm256_loadu_ps(xa + b)));
+      const __m256 v = _mm256_mul_ps(d, _mm256_loadu_ps(xa + b));
+      __m256i idx = i0;
+      for (int k = 0; k < 4; ++k, idx = _mm256_add_epi32(idx, step))
+        _mm256_storeu_ps(sc + (r * nb + b) * 4 + 8 * k, _mm256_permutevar8x32_ps(v, idx));
       if (wm != nullptr) {
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + r * nb + b)));
         mv = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + b), mv);
@@ -140,7 +155,8 @@ void block_scales(const uint16_t* wd, const uint16_t* wm, int64_t nb, const floa
     msum = hsum(mv);
 #endif
     for (; b < nb; ++b) {
-      sc[r * nb + b] = fp16_to_f(wd[r * nb + b]) * xa[b];
+      const float v = fp16_to_f(wd[r * nb + b]) * xa[b];
+      for (int i = 0; i < 4; ++i) sc[(r * nb + b) * 4 + i] = v;
       if (wm != nullptr) msum += fp16_to_f(wm[r * nb + b]) * xs[b];
     }
     mins[r] = msum;
@@ -155,13 +171,27 @@ void dot_q4_1(const uint8_t* wq, int64_t nb, const int8_t* xq, const float* sc, 
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {  // two blocks a step: 32 bytes of nibbles, activations in `slot` pair order
+    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock + 32));
+    for (int r = 0; r < R; ++r) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + (r * nb + b) * 16));
+      const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+      // int16 sums stay within 2 * 2 * 15 * 127: no saturation
+      const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+      const __m256i p = _mm256_madd_epi16(p16, ones);  // lanes 0-3: block b, 4-7: block b + 1
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_loadu_ps(sc + (r * nb + b) * 4), acc[r]);
+    }
+  }
+  if (b < nb) {  // the last block of an odd count (plain order)
+    const __m128i m4h = _mm_set1_epi8(0x0f);
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
     for (int r = 0; r < R; ++r) {
       const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + (r * nb + b) * 16));
-      const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(w, 4), w), m4);
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);  // 8 x int32
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sc + r * nb + b), acc[r]);
+      const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(w, 4), m4h), _mm_and_si128(w, m4h));
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sc + (r * nb + b) * 4), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + mins[r];
@@ -173,7 +203,7 @@ void dot_q4_1(const uint8_t* wq, int64_t nb, const int8_t* xq, const float* sc, 
       const int8_t* x = xq + b * kBlock;
       int32_t dot = 0;
       for (int j = 0; j < 16; ++j) dot += (w[j] & 0x0f) * x[j] + (w[j] >> 4) * x[j + 16];
-      acc += sc[r * nb + b] * static_cast<float>(dot);
+      acc += sc[(r * nb + b) * 4] * static_cast<float>(dot);
     }
     out[r] = acc + mins[r];
   }
@@ -192,7 +222,7 @@ void dot_q8_0(const int8_t* wq, int64_t nb, const int8_t* xq, const float* sc, f
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + (r * nb + b) * kBlock));
       // |w| (unsigned) times x with w's sign: the u8 x s8 product vpmaddubsw needs
       const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sc + r * nb + b), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sc + (r * nb + b) * 4), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
@@ -204,7 +234,7 @@ void dot_q8_0(const int8_t* wq, int64_t nb, const int8_t* xq, const float* sc, f
       const int8_t* x = xq + b * kBlock;
       int32_t dot = 0;
       for (int j = 0; j < kBlock; ++j) dot += w[j] * x[j];
-      acc += sc[r * nb + b] * static_cast<float>(dot);
+      acc += sc[(r * nb + b) * 4] * static_cast<float>(dot);
     }
     out[r] = acc;
   }
@@ -231,7 +261,7 @@ struct Args {
 template <int R>
 void columns(const Args& g, int64_t n0, int64_t m0, int64_t m1) {
   const int64_t nb = g.K / kBlock;
-  float out[R], mins[R], sc[R * kMaxBlocks];
+  float out[R], mins[R], sc[R * kMaxBlocks * 4];
   for (int64_t m = m0; m < m1; ++m) {
     const int8_t* xq = g.xq + m * g.K;
     block_scales<R>(g.wd + n0 * nb, g.wtype == 0 ? g.wm + n0 * nb : nullptr, nb, g.xa + m * nb, g.xs + m * nb, sc,
@@ -335,7 +365,7 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
     thread_local std::vector<float> row;
     if (static_cast<int64_t>(row.size()) < K) row.resize(K);
     load_row(static_cast<const char*>(x) + m * ldx * xsize, xdtype, K, w->glu != 0, w->norm_w, w->eps, row.data());
-    quantize_row(row.data(), K, xq + m * K, xa + m * nb, xs + m * nb);
+    quantize_row(row.data(), K, xq + m * K, xa + m * nb, xs + m * nb, CS_Q_AVX2 && w->wtype == 0);
   };
   auto work = [&](int t, int nt) {  // contiguous column ranges per thread, activation rows in L2-sized tiles
     const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
