@@ -9,9 +9,9 @@ import sys
 # subcommand -> (module, help); each module has `main(argv: list[str]) -> int`
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("chunkserve.workers.demo", "offline multi-tenant demo on the embedded model (no Ray, no Redis)"),
-    "up": ("chunkserve.cluster.launcher", "start a local cluster: Ray, Redis, the Serve app, HTTP and gRPC"),
+    "up": ("chunkserve.tools.launcher", "start a local cluster: Ray, Redis, the Serve app, HTTP and gRPC"),
     "tenants": ("chunkserve.router.tenants", "tenant config helpers (hash an API key)"),
-    "loadtest": ("chunkserve.cluster.loadtest", "run the locust multi-tenant load test against a cluster"),
+    "loadtest": ("chunkserve.tools.loadtest", "run the locust multi-tenant load test against a cluster"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "kernel": ("chunkserve.kernels.bench", "the paper's microkernel table: naive, SDPA, paged, TPP"),

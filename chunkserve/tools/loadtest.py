@@ -14,6 +14,7 @@ keys for locust), runs ``loadtests/locustfile.py`` headless for ``--duration`` s
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -30,18 +31,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chunkserve.cluster.loadtest_metrics import (
+from chunkserve.tools.loadtest_metrics import (
     MetricsSampler,
     RayWorkers,
     Sample,
     samples_to_rows,
     worker_rss_mb,
 )
-from chunkserve.cluster.loadtest_report import read_request_log, soak_verdict, summarize, write_plots
+from chunkserve.tools.loadtest_report import read_request_log, soak_verdict, summarize, write_plots
 
 logger = logging.getLogger("chunkserve.loadtest")
 
-LOCUSTFILE = Path(__file__).resolve().parents[1] / "loadtests" / "locustfile.py"
+LOCUSTFILE = Path(str(importlib.util.find_spec("chunkserve.loadtests").origin)).parent / "locustfile.py"
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,8 @@ def wait_ready(ep: Endpoints, timeout_s: float) -> float:
 @contextmanager
 def local_cluster(spec: ClusterSpec, tenants_path: Path | None, keys_path: Path | None) -> Iterator[Endpoints]:
     """Starts Ray, Redis and the Serve app in this process (as `chunkserve up`) and stops them after."""
-    from chunkserve.cluster import launcher
     from chunkserve.router.app import AppConfig
+    from chunkserve.tools import launcher
 
     http_port, grpc_port = free_port(), free_port()
     opts = launcher.LaunchOptions(http_port=http_port, grpc_port=grpc_port, num_cpus=spec.num_cpus or None)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkserve.cluster.loadtest_metrics import Sample
+from chunkserve.tools.loadtest_metrics import Sample
 
 PERCENTILES = (50, 90, 95, 99)
 

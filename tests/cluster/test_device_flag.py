@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from chunkserve.cluster.device_flag import apply_device
-from chunkserve.cluster.launcher import app_config, parse_args
+from chunkserve.tools.launcher import app_config, parse_args
 
 
 def test_cuda_gives_each_worker_one_gpu_and_the_cuda_device() -> None:
@@ -41,6 +41,6 @@ def test_an_unknown_device_is_a_usage_error() -> None:
 
 
 def test_the_launcher_resolves_auto_without_importing_torch() -> None:
-    code = ("import sys; from chunkserve.cluster.launcher import app_config, parse_args; "
+    code = ("import sys; from chunkserve.tools.launcher import app_config, parse_args; "
             "app_config(parse_args(['--device', 'auto'])); sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0

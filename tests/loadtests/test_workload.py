@@ -11,8 +11,8 @@ from types import ModuleType
 
 import pytest
 
-from chunkserve.cluster.loadtest_metrics import Sample, parse_metrics
-from chunkserve.cluster.loadtest_report import percentile, soak_verdict, summarize
+from chunkserve.tools.loadtest_metrics import Sample, parse_metrics
+from chunkserve.tools.loadtest_report import percentile, soak_verdict, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -45,7 +45,7 @@ def test_modules_import_from_the_installed_wheel(wheel: Path, tmp_path: Path) ->
         "import importlib.util as u;"
         f"assert k.__file__.startswith({str(target)!r}), k.__file__;"
         "assert all(u.find_spec(m) is None for m in ('kernels', 'workers', 'router', 'cluster', 'loadtests'));"
-        "from chunkserve.cluster.loadtest import LOCUSTFILE;"
+        "from chunkserve.tools.loadtest import LOCUSTFILE;"
         f"assert LOCUSTFILE.is_file() and str(LOCUSTFILE).startswith({str(target)!r}), LOCUSTFILE;"
         "print('ok')"
     )

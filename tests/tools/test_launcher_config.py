@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkserve.cluster import launcher
+from chunkserve.tools import launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from chunkserve.cluster.loadtest_metrics import WORKER_FIELDS
+from chunkserve.tools.loadtest_metrics import WORKER_FIELDS
 from chunkserve.workers.engine import EngineConfig, EngineCore
 from chunkserve.workers.protocol import EngineStats
 from chunkserve.workers.worker_metrics import COUNTERS, GAUGES
