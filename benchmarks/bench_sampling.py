@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from chunkserve.kernels.bench import cpu_model
+from chunkserve.tools.bench_kernel import cpu_model
 from chunkserve.workers.sampler import Sampler
 from chunkserve.workers.sampling import SamplingParams
 

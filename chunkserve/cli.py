@@ -8,15 +8,15 @@ import sys
 
 # subcommand -> (module, help); each module has `main(argv: list[str]) -> int`
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("chunkserve.workers.demo", "offline multi-tenant demo on the embedded model (no Ray, no Redis)"),
+    "demo": ("chunkserve.tools.demo", "offline multi-tenant demo on the embedded model (no Ray, no Redis)"),
     "up": ("chunkserve.tools.launcher", "start a local cluster: Ray, Redis, the Serve app, HTTP and gRPC"),
     "tenants": ("chunkserve.router.tenants", "tenant config helpers (hash an API key)"),
     "loadtest": ("chunkserve.tools.loadtest", "run the locust multi-tenant load test against a cluster"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "kernel": ("chunkserve.kernels.bench", "the paper's microkernel table: naive, SDPA, paged, TPP"),
-    "e2e": ("chunkserve.workers.bench_e2e", "the paper's end-to-end table on this machine"),
-    "prefill": ("chunkserve.kernels.bench_prefill", "prefill over a cached prefix vs dense SDPA"),
+    "kernel": ("chunkserve.tools.bench_kernel", "the paper's microkernel table: naive, SDPA, paged, TPP"),
+    "e2e": ("chunkserve.tools.bench_e2e", "the paper's end-to-end table on this machine"),
+    "prefill": ("chunkserve.tools.bench_prefill", "prefill over a cached prefix vs dense SDPA"),
     "serve": ("chunkserve.tools.bench_serve", "serving benchmark: OpenAI-compatible endpoints side by side"),
 }
 

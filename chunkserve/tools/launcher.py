@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from chunkserve.cluster.device_flag import add_device_arg, apply_device
+from chunkserve.tools.device_flag import add_device_arg, apply_device
 
 if TYPE_CHECKING:
     from chunkserve.router.app import AppConfig

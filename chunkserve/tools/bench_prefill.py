@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from chunkserve.kernels.bench import DTYPES, cpu_model
 from chunkserve.kernels.prefill import prefill_attention
+from chunkserve.tools.bench_kernel import DTYPES, cpu_model
 
 SHAPES = [(9, 3, 64), (32, 8, 128), (32, 32, 128)]  # (Hq, Hkv, D): SmolLM2, Llama-8B-like GQA, the paper's
 CASES = [(1024, 16), (1024, 64), (1024, 512), (4096, 64), (0, 1024)]  # (cached, new)

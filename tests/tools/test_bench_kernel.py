@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from chunkserve.kernels.bench import main
+from chunkserve.tools.bench_kernel import main
 
 
 def test_quick_bench_writes_table_with_consistent_outputs(tmp_path, capsys):

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from chunkserve.kernels.api import get_decode_fn
-from chunkserve.kernels.bench_util import Machine, Timer, measure_machine, median_us, method_bytes, roofline_s
 from chunkserve.kernels.torch_ops import Workspace
+from chunkserve.tools.bench_util import Machine, Timer, measure_machine, median_us, method_bytes, roofline_s
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FULL = [(n_p, n_s) for n_p in (1024, 2048, 4096) for n_s in (0, n_p // 2, 3 * n_p // 4, n_p)]

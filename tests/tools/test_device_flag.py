@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from chunkserve.cluster.device_flag import apply_device
+from chunkserve.tools.device_flag import apply_device
 from chunkserve.tools.launcher import app_config, parse_args
 
 
