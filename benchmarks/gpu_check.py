@@ -17,6 +17,7 @@ import math
 import platform
 import sys
 import time
+import warnings
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -165,17 +166,32 @@ def e2e(out: Path, model: str = "random:llama3-8b", device: str = "cuda", dtype:
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=True)
     streams: dict[str, list[list[int]]] = {}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    from chunkserve.workers.warmup import compile_count
+
     for backend in backends:
+        first = backend == backends[0]  # warm-up and sync checks on the first backend (the GPU path)
         eng = EngineCore(EngineConfig(device=device, dtype=dtype, chunk_size=64, attention_backend=backend,
                                       prefill_backend="auto", kv_cache_gb=6, max_num_seqs=64,
-                                      max_num_batched_tokens=4096), loaded=loaded)
+                                      max_num_batched_tokens=4096, warmup=first), loaded=loaded)
+        built = compile_count()
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, params)
         done: dict[str, Any] = {}
         steps, t_first = 0, None
+        sync_warnings: list[int] = []  # per step: synchronising CUDA calls (torch's sync debug mode)
         t1 = time.perf_counter()
         while len(done) < len(prompts):
-            outs = eng.step()
+            if first and device == "cuda" and 2 <= steps < 8:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        outs = eng.step()
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                sync_warnings.append(sum("synchroniz" in str(w.message) for w in caught))
+            else:
+                outs = eng.step()
             steps += 1
             if t_first is None and any(len(o.req.output) >= 2 for o in outs):
                 sync()
@@ -191,6 +207,9 @@ def e2e(out: Path, model: str = "random:llama3-8b", device: str = "cuda", dtype:
         res["backends"][backend] = {
             "steps": steps, "wall_s": t_end - t1, "tokens": [len(s) for s in streams[backend]],
             "decode_tok_s": decode_tokens / (t_end - t_first) if t_first else None, "logprobs_finite": finite}
+        if first:
+            res["backends"][backend].update(warmup=eng.warmup_stats, compiled_after_warmup=compile_count() - built,
+                                            syncs_per_step=sync_warnings)
         print(f"  {backend}: {res['backends'][backend]}")
         del eng
         if device == "cuda":
@@ -276,6 +295,15 @@ def report(out: Path) -> int:
         first = next(iter(e["backends"]))
         lines.append((f"e2e decode, {e['model']}", f"{tps}; greedy tokens equal to {first}'s for at "
                       f"least {same} of 32", "32 finite tokens per prompt, every backend", e["ok"]))
+        b0 = e["backends"][first]
+        if "compiled_after_warmup" in b0:
+            wu = b0.get("warmup", {})
+            lines.append((f"kernels compiled after warm-up [{first}]", f"{b0['compiled_after_warmup']} (warm-up "
+                          f"{wu.get('seconds', 0):.1f} s, {wu.get('compiled', 0):.0f} built)", "0",
+                          b0["compiled_after_warmup"] == 0))
+        if b0.get("syncs_per_step"):
+            lines.append((f"syncs per prefill/decode step [{first}]", f"{b0['syncs_per_step']} (torch sync debug "
+                          "mode)", "<= 1 (the sampled-id copy)", max(b0["syncs_per_step"]) <= 1))
     else:
         lines.append(("e2e decode, random Llama-3-8B bf16", "not run (see e2e.log)", "", None))
     print(f"\nGPU check: {pre.get('gpu', '?')} (sm_{''.join(map(str, pre.get('capability', [])))}), "

@@ -1,7 +1,7 @@
 """Engine warm-up: compile and load what serving will meet before the engine reports ready.
 
 1. A real model step on a scratch cache (never the engine's: no cached chunk, no event, no stats):
-   a prefill of three prompts, two of them sharing a chunk, then two decode steps. On the CPU this
+   a prefill of three prompts, two of them sharing a chunk, then a decode step. On the CPU this
    builds or loads the C++ decode kernel (`kernels/cpu_kernel.py`) and creates oneDNN's primitives;
    on a GPU it compiles the kernels of that path.
 2. On a GPU with the Triton backends, every other variant a request can select. The values that
@@ -65,7 +65,7 @@ def warm_up(core: EngineCore) -> dict[str, float]:
     return {"seconds": time.perf_counter() - t0, "compiled": float(compile_count() - before)}
 
 
-def scratch_steps(core: EngineCore, max_tokens: int = 3) -> int:
+def scratch_steps(core: EngineCore, max_tokens: int = 2) -> int:
     """Prefill + decode steps of the engine's model on a scratch cache; returns the steps run."""
     mc, cfg = core.model_config, core.config
     c = cfg.chunk_size
