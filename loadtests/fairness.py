@@ -43,6 +43,11 @@ class Result:
     finished: int = 0
     failed: int = 0
     tokens: int = 0  # prompt + output tokens of finished requests
+    errors: dict[str, int] = field(default_factory=dict)  # failure reason -> count
+
+    def fail(self, why: str) -> None:
+        self.failed += 1
+        self.errors[why] = self.errors.get(why, 0) + 1
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -64,7 +69,7 @@ async def one(client: httpx2.AsyncClient, key: str, words: int, rng: random.Rand
         async with client.stream("POST", "/v1/chat/completions", json=body,
                                  headers={"Authorization": f"Bearer {key}"}) as r:
             if r.status_code != 200:
-                res.failed += 1
+                res.fail(f"HTTP {r.status_code}: {(await r.aread())[:120]!r}")
                 return
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -74,8 +79,11 @@ async def one(client: httpx2.AsyncClient, key: str, words: int, rng: random.Rand
                     first = time.monotonic()
                 if ev.get("usage"):
                     usage = ev["usage"]
-    except (httpx2.HTTPError, asyncio.CancelledError):
-        res.failed += 1
+    except asyncio.CancelledError:
+        res.fail("unfinished at the end of the drain")
+        return
+    except httpx2.HTTPError as e:
+        res.fail(type(e).__name__)
         return
     if first is not None:
         res.ttft.append(first - t0)
@@ -89,7 +97,8 @@ async def run_load(url: str, tenants: dict[str, tuple[str, float, int]], duratio
     """tenants: name -> (api key, requests/s, prompt words). -> results, window seconds."""
     results = {name: Result(name) for name in tenants}
     rng = random.Random(seed)
-    async with httpx2.AsyncClient(base_url=url, timeout=600) as client:
+    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx2.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         r = await client.get("/v1/models", headers={"Authorization": f"Bearer {next(iter(tenants.values()))[0]}"})
         global_model[0] = r.json()["data"][0]["id"]
         t0 = time.monotonic()
@@ -112,29 +121,32 @@ async def run_load(url: str, tenants: dict[str, tuple[str, float, int]], duratio
 
 
 
-def launch(tenants_file: str, fair: bool, port: int) -> subprocess.Popen:
+def launch(tenants_file: str, fair: bool, port: int, model: str | None, engine: dict) -> subprocess.Popen:
     exe = Path(sys.executable).with_name("chunkserve")
     cmd = [str(exe), "up", "--workers", "1", "--tenants", tenants_file, "--http-port", str(port),
-           "--grpc-port", str(port + 1), "--engine", json.dumps({"fair_share": fair})]
+           "--grpc-port", str(port + 1), "--engine", json.dumps({**engine, "fair_share": fair})]
+    if model:
+        cmd += ["--model", model]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def wait_ready(url: str, key: str, timeout: float = 600) -> None:
+def wait_ready(url: str, key: str, timeout: float = 900) -> None:
+    """Until the served model answers a one-token chat (the proxies answer 404 while the app deploys)."""
     t_end = time.monotonic() + timeout
+    auth = {"Authorization": f"Bearer {key}"}
     while time.monotonic() < t_end:
         try:
-            r = httpx2.post(url + "/v1/chat/completions", timeout=120, headers={"Authorization": f"Bearer {key}"},
-                            json={"model": global_model[0], "messages": [{"role": "user", "content": "hi"}],
-                                  "max_tokens": 1})
-            if r.status_code == 404:  # wrong model name: take the served one
-                global_model[0] = httpx2.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}
-                                             ).json()["data"][0]["id"]
-                continue
+            r = httpx2.get(url + "/v1/models", headers=auth, timeout=10)
             if r.status_code == 200:
-                return
-        except httpx2.HTTPError:
+                global_model[0] = r.json()["data"][0]["id"]
+                r = httpx2.post(url + "/v1/chat/completions", timeout=300, headers=auth,
+                                json={"model": global_model[0], "max_tokens": 1,
+                                      "messages": [{"role": "user", "content": "hi"}]})
+                if r.status_code == 200:
+                    return
+        except (httpx2.HTTPError, ValueError, KeyError, IndexError):
             pass
-        time.sleep(2)
+        time.sleep(3)
     raise TimeoutError("chunkserve up did not become ready")
 
 
@@ -151,7 +163,7 @@ def report(label: str, res: dict[str, Result], window: float) -> float:
     total = sum(r.tokens for r in res.values()) / window
     for r in res.values():
         print(f"{label:<14} {r.tenant:<6} ttft p50 {pct(r.ttft, 50):7.2f} s  p95 {pct(r.ttft, 95):7.2f} s  "
-              f"finished {r.finished:4d}  failed {r.failed:3d}")
+              f"finished {r.finished:4d}  failed {r.failed:3d} {r.errors or ''}")
     print(f"{label:<14} total throughput {total:8.1f} tokens/s over {window:.0f} s")
     return total
 
@@ -162,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--light-rate", type=float, default=0.3)
     ap.add_argument("--light-words", type=int, default=60, help="prompt words of the light tenant (heavy: 4x)")
     ap.add_argument("--port", type=int, default=18000)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--engine", default='{"max_num_seqs": 8, "max_num_batched_tokens": 256}',
+                    help="EngineConfig fields (JSON) for both runs")
     args = ap.parse_args(argv)
     from chunkserve.router.tenants import hash_api_key
 
@@ -174,10 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     heavy = (keys["heavy"], 10 * args.light_rate, 4 * args.light_words)
     url = f"http://127.0.0.1:{args.port}"
     print(f"light: {args.light_rate} req/s x {args.light_words} words; heavy: {10 * args.light_rate} req/s x "
-          f"{4 * args.light_words} words; 16 output tokens; {args.duration:.0f} s per run; one worker")
+          f"{4 * args.light_words} words; 16 output tokens; {args.duration:.0f} s per run; one worker; "
+          f"model {args.model or 'embedded SmolLM2'}; engine {args.engine}")
     out: dict[str, float] = {}
     for fair in (True, False):
-        proc = launch(tenants_file, fair, args.port)
+        proc = launch(tenants_file, fair, args.port, args.model, json.loads(args.engine))
         try:
             wait_ready(url, keys["light"])
             if fair:
