@@ -18,11 +18,12 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import re
 import sys
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
+
+from chunkserve import env
 
 if TYPE_CHECKING:
     from chunkserve.kernels.triton_common import TileConfig
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one shape per kernel")
     parser.add_argument("--kernel", choices=KERNELS, action="append", help="only these kernels")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if env.triton_interpret():
         print("unset TRITON_INTERPRET: the interpreter replaces the kernels at import", file=sys.stderr)
         return 2
     import tempfile

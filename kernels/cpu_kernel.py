@@ -18,7 +18,6 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from chunkserve import env
 from chunkserve.kernels.torch_ops import Workspace
 
 log = logging.getLogger(__name__)
@@ -39,9 +39,7 @@ SERIAL_ELEMENTS = 1 << 19  # K elements (upper bound) below which one thread doe
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("CHUNKSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chunkserve")
-    return Path(root) / "ext"
+    return env.cache_root() / "ext"
 
 
 def _cpu_signature() -> str:
@@ -55,9 +53,7 @@ def _cpu_signature() -> str:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return name
+    return env.cxx_compiler()
     return None
 
 
@@ -237,7 +233,7 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
 @functools.cache
 def load_cpu_kernel() -> CpuDecodeKernel | None:
     """The kernel for this process, built on first use; None when disabled or it cannot be built."""
-    if os.environ.get("CHUNKSERVE_CPU_KERNEL", "1") == "0":
+    if not env.cpu_kernel_enabled():
         return None
     try:
         return CpuDecodeKernel(build())

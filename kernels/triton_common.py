@@ -19,12 +19,13 @@ TF32 would), bf16 only to 8, so for bf16 (``SPLIT_P``) P is split into ``hi = bf
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from chunkserve import env
 
 
 @triton.jit
@@ -164,7 +165,7 @@ def rows_config(d: int, rows: int, dtype: torch.dtype) -> TileConfig:
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env.triton_interpret()
 
 
 def dot_flags(dtype: torch.dtype, device: torch.device) -> dict[str, bool]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -33,6 +32,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from chunkserve import env
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.stats import ClusterStatsReader, snapshot_of
@@ -50,7 +50,7 @@ from chunkserve.workers.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 _THREAD_TOKENIZE_CHARS = 4096  # longer texts are tokenised in a worker thread, off the event loop
-REDIS_URL_ENV = "CHUNKSERVE_REDIS_URL"  # where a Serve ingress finds the workers' stats by default
+REDIS_URL_ENV = env.REDIS_URL  # where a Serve ingress finds the workers' stats by default
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,9 @@ class Ingress(GrpcServiceMixin):
         self._app: Any = None
         self._inflight = 0  # streams running through this ingress
         self.draining = False  # set by drain(): new requests get 503 + Retry-After
-        if cluster_stats is None and isinstance(engine, HandleEngineClient) and os.environ.get(REDIS_URL_ENV):
-            cluster_stats = ClusterStatsReader(os.environ[REDIS_URL_ENV])
+        url = env.redis_url()
+        if cluster_stats is None and isinstance(engine, HandleEngineClient) and url:
+            cluster_stats = ClusterStatsReader(url)
         self.cluster_stats = cluster_stats
 
     # ---- Ray Serve hook ------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ which is what ``RunningReplica.replica_id.unique_id`` shows the router.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from numbers import Integral
@@ -23,6 +22,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from chunkserve import env
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.index import DEFAULT_NAMESPACE, AsyncPrefixIndex
 from chunkserve.cluster.reader import CachedIndexReader, ReaderConfig
@@ -32,7 +32,7 @@ from chunkserve.workers.worker_metrics import ROUTING_KWARG
 
 logger = logging.getLogger(__name__)
 
-REDIS_URL_ENV = "CHUNKSERVE_REDIS_URL"
+REDIS_URL_ENV = env.REDIS_URL
 CHAIN_KWARG = "chunk_hashes"
 _MAX_TRACKED = 100_000
 _RESERVATION_TTL_S = 600.0
@@ -77,7 +77,7 @@ class PrefixAwareRouter(RequestRouter):
             raise TypeError(f"PrefixAwareRouter got unknown request_router_kwargs: {sorted(kwargs)}")
         if max_chunks < 1:
             raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
-        url = redis_url or os.environ.get(REDIS_URL_ENV) or None
+        url = redis_url or env.redis_url()
         self._max_chunks = max_chunks
         self._predictions = bool(predictions)
         self._policy = PrefixPolicy(PolicyConfig(**(policy or {})))

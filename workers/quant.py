@@ -23,7 +23,6 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from chunkserve import env
 from chunkserve.workers.linear import LinearFn
 
 log = logging.getLogger(__name__)
@@ -116,14 +116,12 @@ def _check_shape(w: torch.Tensor) -> tuple[int, int]:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("CHUNKSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chunkserve")
-    return Path(root) / "ext"
+    return env.cache_root() / "ext"
 
 
 def build(force: bool = False) -> Path:
     """Compile ``csrc/qmatmul.cpp`` for this CPU (or reuse the cached build); RuntimeError when it cannot."""
-    cxx = next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
+    cxx = env.cxx_compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -178,7 +176,7 @@ class QKernel:
 def load_kernel() -> QKernel | None:
     """The kernel for this process, built on first use; None when disabled (``CHUNKSERVE_QKERNEL=0``) or it
     cannot be built."""
-    if os.environ.get("CHUNKSERVE_QKERNEL", "1") == "0":
+    if not env.qkernel_enabled():
         return None
     try:
         return QKernel(build())

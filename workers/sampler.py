@@ -44,11 +44,18 @@ _MASK64 = (1 << 64) - 1
 
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser over uint64 arrays (wrapping arithmetic): a bijective 64-bit mix."""
-    with np.errstate(over="ignore"):
-        z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+    z = x + np.uint64(0x9E3779B97F4A7C15)  # array arithmetic wraps silently
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _mix_int(x: int) -> int:
+    """`_mix` of one Python int (the same bits; faster than numpy for a few values)."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def uniform_hash(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
@@ -56,8 +63,11 @@ def uniform_hash(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
 
     The same (key, counter) gives the same u on every device and in any batch.
     """
-    with np.errstate(over="ignore"):
-        z = _mix(keys ^ _mix(counters * np.uint64(0xD1B54A32D192ED03)))
+    if len(keys) <= 16:
+        vals = [(_mix_int(int(k) ^ _mix_int((int(c) * 0xD1B54A32D192ED03) & _MASK64)) >> 40) * 2.0 ** -24
+                for k, c in zip(keys.tolist(), counters.tolist(), strict=True)]
+        return np.asarray(vals, dtype=np.float32)
+    z = _mix(keys ^ _mix(counters * np.uint64(0xD1B54A32D192ED03)))
     return ((z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)).astype(np.float32)
 
 
@@ -163,7 +173,7 @@ class Sampler:
         self.seed = seed
         self.full_sort = full_sort
         self.nucleus_k0 = nucleus_k0
-        self._base_key = int(_mix(np.asarray([(seed & _MASK64) ^ 0x5EED], dtype=np.uint64))[0])
+        self._base_key = _mix_int((seed & _MASK64) ^ 0x5EED)
         self._base_draws = 0  # draws made for unseeded rows
         self._gens: dict[str, int] = {}  # request id -> draws made by that seeded request
         self._staging: dict[str, Staging] = {}  # device -> staging of sample() calls without a plan
@@ -223,7 +233,7 @@ class Sampler:
                 seeded.append(j)
                 seeds.append(p.seed & _MASK64)
         if seeded:
-            keys[seeded] = _mix(np.asarray(seeds, dtype=np.uint64))
+            keys[seeded] = [_mix_int(x) for x in seeds]
         return uniform_hash(keys, ctrs)
 
     def plan(self, request_ids: list[str], params: list[SamplingParams], vocab: int) -> SamplePlan:

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from chunkserve import env
 from chunkserve.workers.config import ModelConfig, preset_config
 from chunkserve.workers.device import default_dtype
 from chunkserve.workers.model import CausalLM
@@ -38,10 +39,7 @@ class LoadedModel(NamedTuple):
 
 def cache_root() -> Path:
     """`$CHUNKSERVE_CACHE`, else `$XDG_CACHE_HOME/chunkserve`, else `~/.cache/chunkserve`."""
-    if os.environ.get("CHUNKSERVE_CACHE"):
-        return Path(os.environ["CHUNKSERVE_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "chunkserve"
+    return env.cache_root()
 
 
 def embedded_gguf_path() -> Path:
