@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from chunkserve import env
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.reader import ReaderConfig
 from chunkserve.router.engine_client import HandleEngineClient
@@ -112,7 +112,7 @@ class AppConfig(BaseModel):
         return data
 
     def resolved_redis_url(self) -> str | None:
-        return self.redis_url or os.environ.get("CHUNKSERVE_REDIS_URL") or None
+        return self.redis_url or env.redis_url()
 
     def thread_rule(self) -> dict[str, int] | None:
         """The workers' engine-thread rule, or None when the engine config fixes the threads (or GPUs)."""
