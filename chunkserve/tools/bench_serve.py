@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         count = workload.load_counter(args.tokenizer)
     except (ValueError, json.JSONDecodeError) as e:
         ap.error(str(e))
+    import aiohttp
+
     if args.api_key:
         keys["*"] = args.api_key
     chats = workload.chat_requests(spec, count)
@@ -213,9 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results["endpoints"][name] = run_endpoint(name, url, launches.get(name), models.get(name), plan,
                                                       json_path.parent, args.launch_timeout)
-        except (RuntimeError, TimeoutError, OSError) as e:
-            print(f"{name}: {e}", file=sys.stderr, flush=True)
-            results["endpoints"][name] = {"url": url, "error": str(e)[-2000:], "runs": {}}
+        except (RuntimeError, TimeoutError, OSError, ValueError, aiohttp.ClientError) as e:
+            msg = str(e) if str(e).startswith(f"{name}:") else f"{name}: {type(e).__name__}: {e}"
+            print(msg, file=sys.stderr, flush=True)
+            results["endpoints"][name] = {"url": url, "error": msg[-2000:], "runs": {}}
             failed = True
         json_path.write_text(json.dumps(results, indent=1))
     results["machine"]["load_avg_end"] = os.getloadavg()

@@ -80,6 +80,8 @@ async def stream_chat(session: Any, model: str, req: ChatRequest, sampling: Samp
     if sampling.top_p is not None:
         body["top_p"] = sampling.top_p
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    import aiohttp
+
     rec = RequestRecord(req.tenant, time.perf_counter())
     try:
         async with session.post("/v1/chat/completions", json=body, headers=headers) as resp:
@@ -95,7 +97,7 @@ async def stream_chat(session: Any, model: str, req: ChatRequest, sampling: Samp
                 _apply_event(rec, json.loads(data), time.perf_counter())
                 if rec.error:
                     return rec
-    except (TimeoutError, OSError, ValueError) as e:  # aiohttp.ClientError is an OSError
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:  # a refused or dropped connection, bad JSON
         rec.error = f"{type(e).__name__}: {e}"[:300]
         return rec
     rec.end = time.perf_counter()

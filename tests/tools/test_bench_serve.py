@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,14 +88,36 @@ def test_bench_serve_rejects_bad_flags_with_a_usage_error(argv: list[str], messa
     assert message in capsys.readouterr().err
 
 
-def test_unreachable_endpoint_is_reported_not_raised(tokenizer: str, tmp_path: Path) -> None:
-    out = tmp_path / "down.json"
-    rc = bench_serve.main(["--tokenizer", tokenizer, "--endpoint", f"down=http://127.0.0.1:{_free_port()}", "--passes", "1", "--single", "0",
-                           "--tenants", "1", "--requests-per-tenant", "1", "--system-tokens", "10",
-                           "--json", str(out), "--no-plot"])
+@pytest.mark.parametrize("fault", ["refused", "dropped"])
+def test_unreachable_endpoint_is_reported_not_raised(fault: str, tokenizer: str, tmp_path: Path) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        if fault == "dropped":  # accepts, then closes every connection without a byte
+            listener.listen()
+            threading.Thread(target=_drop_all, args=(listener,), daemon=True).start()
+        else:
+            listener.close()
+        out = tmp_path / "down.json"
+        rc = bench_serve.main(["--tokenizer", tokenizer, "--endpoint", f"down=http://127.0.0.1:{port}",
+                               "--model", "down=m", "--passes", "1", "--single", "0", "--tenants", "1", "--requests-per-tenant", "1",
+                               "--system-tokens", "10", "--json", str(out), "--no-plot"])
     assert rc == 1
     ep = json.loads(out.read_text())["endpoints"]["down"]
-    assert ep["runs"] == {} and "connect" in ep["error"].lower()
+    assert ep["runs"] == {}
+    assert "warm-up request failed" in ep["error"]
+    # refused: "Cannot connect"; dropped: a reset or a disconnect, depending on when the close lands
+    words = ("connect",) if fault == "refused" else ("clientoserror", "serverdisconnectederror")
+    assert any(w in ep["error"].lower() for w in words)
+
+
+def _drop_all(listener: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        conn.close()
 
 
 def test_launched_server_is_started_for_its_runs_and_stopped_after(tokenizer: str, tmp_path: Path) -> None:
