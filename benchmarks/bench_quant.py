@@ -129,13 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="subset of fp32 bf16 int8 int8+head int4 (fp32, the reference, always runs first)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_model()}; torch {torch.__version__}; threads={args.threads}; clock={args.clock}; "
           f"load average {os.getloadavg()[0]:.2f}")
     ref: list[list[int]] | None = None
     rows: list[dict[str, Any]] = []
-    for name, dtype, quant, head in variants():
+    chosen = [v for v in variants() if args.variants is None or v[0] in args.variants or v[0] == "fp32"]
+    for name, dtype, quant, head in chosen:
         loaded = load_variant(dtype, quant, head)
         tok = loaded.tokenizer
         prompts = [tok.encode(p) for p in PROMPTS]
