@@ -46,8 +46,17 @@ _Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 class AsyncEngine:
     """Implements `EngineProtocol`; see the module docstring."""
 
-    def __init__(self, config: EngineConfig | None = None, core: EngineCore | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, core: EngineCore | None = None,
+                 hash_snapshot_depth: int | None = None) -> None:
+        """``hash_snapshot_depth``: keep `cached_hashes()` (chunk hashes above that depth) for the cluster
+        index's publisher; None: not kept."""
         self.core = core or EngineCore(config)
+        # Cached chain hashes, as an immutable tuple that the engine thread replaces after each step that
+        # changed the cache: other threads read this snapshot, never the live tree.
+        self._hash_depth = hash_snapshot_depth
+        self._hashes: tuple[int, ...] = ()
+        if hash_snapshot_depth is not None:
+            self._hashes = tuple(self.core.cache.cached_hashes(hash_snapshot_depth))
         self.tokenizer = self.core.tokenizer
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
@@ -118,6 +127,11 @@ class AsyncEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._post("call", (lambda: summarize_forest(self.core.cache, self.forest_usage, top_n, max_runs), fut))
         return await asyncio.wrap_future(fut)
+
+    def cached_hashes(self) -> tuple[int, ...]:
+        """The chunk hashes the cache held after the engine's last step that changed it (a snapshot the engine
+        thread published; any thread may read it)."""
+        return self._hashes
 
     def drain_cache_events(self) -> list:
         """Chunk-hash events since the last call (for the cluster index)."""
@@ -221,19 +235,22 @@ class AsyncEngine:
                     failed.append((req.request_id, EngineStepError(f"engine step failed: {e}")))
                 self._deliver(failed)
                 continue
-            for ev in core.cache.drain_events():
+            events = core.cache.drain_events()
+            for ev in events:
                 self._events.put(ev)
+            if events and self._hash_depth is not None:
+                self._hashes = tuple(core.cache.cached_hashes(self._hash_depth))
             now = time.monotonic()
             deltas = []
             for out in outs:
                 req = out.req
                 n_out = len(req.output)
                 if n_out == 1 and req.request_id in self._tenants:
-                    self.forest_usage.record(core.cache, req.prompt, req.salt, max(req.num_cached, 0),
+                    self.forest_usage.record(core.cache, req.prompt, req.salt, req.num_cached or 0,
                                              self._tenants.pop(req.request_id))
                 deltas.append((req.request_id, GenerateDelta(
                     request_id=req.request_id, token_ids=out.token_ids, text=out.text,
-                    num_prompt_tokens=len(req.prompt), num_cached_tokens=max(req.num_cached, 0),
+                    num_prompt_tokens=len(req.prompt), num_cached_tokens=req.num_cached or 0,
                     num_output_tokens=n_out, finish_reason=out.finish_reason, logprobs=out.logprobs,
                     first_token_time=req.first_token_time if n_out == 1 else None, extra={"time": now},
                     num_cache_creation_tokens=req.cache_creation_tokens)))

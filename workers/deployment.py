@@ -55,23 +55,27 @@ class WorkerServer:
         self.batching = StreamBatching.from_options(stream_batching)
         from chunkserve.workers.async_engine import AsyncEngine  # torch: only inside the replica
 
-        self.engine = AsyncEngine(cfg)
+        depth: int | None = None  # index depth of the hash snapshot the publisher re-publishes
+        if redis_url:
+            from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
+
+            depth = max_depth or DEFAULT_MAX_DEPTH
+        self.engine = AsyncEngine(cfg, hash_snapshot_depth=depth)
         self.metrics = WorkerMetrics(worker_id, enable_ray=enable_ray_metrics)
         self.routing = RoutingAccuracy(worker_id, self.engine.core.cache.chunk_size)
         self.tenant_tokens = TenantTokens()
         self.publisher = None
         self.stats_writer = None
         self._pub_task: asyncio.Task | None = None
-        if redis_url:
-            from chunkserve.cluster.events import DEFAULT_MAX_DEPTH, WorkerPublisher
+        if redis_url and depth is not None:
+            from chunkserve.cluster.events import WorkerPublisher
             from chunkserve.cluster.index import DEFAULT_NAMESPACE
             from chunkserve.cluster.stats import WorkerStatsWriter
 
             ns = namespace or DEFAULT_NAMESPACE
-            depth = max_depth or DEFAULT_MAX_DEPTH
-            cache = self.engine.core.cache
+            # the lease thread re-publishes the engine thread's hash snapshot, never reading the live tree
             self.publisher = WorkerPublisher(redis_url, worker_id, namespace=ns, lease_ttl_s=lease_ttl_s,
-                                             max_depth=depth, snapshot=lambda: cache.cached_hashes(depth)).start()
+                                             max_depth=depth, snapshot=self.engine.cached_hashes).start()
             self.stats_writer = WorkerStatsWriter(self.publisher.client, worker_id, namespace=ns,
                                                   ttl_s=max(lease_ttl_s, 3 * STATS_INTERVAL_S))
 

@@ -134,7 +134,7 @@ class EngineCore:
             if not req.output:
                 req.first_token_time = now
                 self.prompt_tokens_total += len(req.prompt)
-                self.cached_tokens_total += max(req.num_cached, 0)
+                self.cached_tokens_total += req.num_cached or 0  # None: never admitted (cannot happen here)
             req.output.append(tok)
             req.logprobs.append(lp)
             p = req.params

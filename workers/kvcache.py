@@ -51,6 +51,11 @@ class PrefixKVCache(PrefixTree):
         return self.pool.v_pool
 
     # ------------------------------------------------------------------ lookup
+    def sequence(self, seq_id: int) -> Sequence:
+        """A live sequence's state (its chunk path, uncommitted tokens, tree-order key), for the context builder;
+        read it, never change it. KeyError for an unknown id."""
+        return self._seq(seq_id)
+
     def _seq(self, seq_id: int) -> Sequence:
         seq = self._seqs.get(seq_id) if isinstance(seq_id, int) else None
         if seq is None:

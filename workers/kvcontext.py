@@ -132,7 +132,7 @@ class ContextBuilder:
             raise ValueError("seq_ids must be distinct")
         if not seq_ids:
             raise ValueError("seq_ids must be non-empty")
-        seqs = [cache._seq(s) for s in seq_ids]
+        seqs = [cache.sequence(s) for s in seq_ids]
         for s in seqs:
             if s.pending.size:
                 raise ValueError(f"sequence {s.seq_id} has uncommitted tokens")

@@ -104,7 +104,7 @@ class LLM:
         results = []
         for rid, toks in zip(ids, token_lists, strict=True):
             req = done[rid].req
-            results.append(RequestOutput(rid, "".join(texts[rid]), list(req.output), toks, max(req.num_cached, 0),
+            results.append(RequestOutput(rid, "".join(texts[rid]), list(req.output), toks, req.num_cached or 0,
                                          req.finish_reason, list(req.logprobs) if req.params.logprobs else None))
         return results
 

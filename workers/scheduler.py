@@ -37,9 +37,9 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One generation request and its progress."""
+    """One generation request and its progress (compared and hashed by identity: one object per request)."""
 
     request_id: str
     prompt: list[int]
@@ -50,7 +50,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     status: Status = Status.WAITING
     seq_id: int | None = None
-    num_cached: int = -1  # prompt tokens served from the cache at first admission (-1: not yet)
+    num_cached: int | None = None  # prompt tokens served from the cache at first admission (None: not yet)
     num_computed: int = 0  # tokens of prompt+output whose K/V are in the cache
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -267,7 +267,7 @@ class Scheduler:
             return False
         # A fully cached prompt stays shared: its last token then runs as a logits-only row (no K/V write).
         req.seq_id, got = self.cache.reserve(tokens, req.salt)
-        if req.num_cached < 0:
+        if req.num_cached is None:
             req.num_cached = got
         req.num_computed = got
         req.status = Status.RUNNING
@@ -333,7 +333,7 @@ class Scheduler:
             return
         got = self.pins.pin(req.tenant, req.salt, req.prompt, spec)
         req.pinned_tokens = got
-        req.cache_creation_tokens = max(0, got - max(req.num_cached, 0)) if got else 0
+        req.cache_creation_tokens = max(0, got - (req.num_cached or 0)) if got else 0
         if not got:
             req.pin = None  # refused now (the pool's pin share filled up meanwhile): served unpinned
 
