@@ -12,7 +12,8 @@
 #   3. agreement: every decode backend (and TPP/paged with kv_split 1 and 4) vs float64 at a
 #      Llama-3-8B layer shape over a NaN-poisoned pool, bf16 and fp16
 #   4. chunkserve bench kernel --quick: fp16 MHA (the paper's setting) and bf16 GQA Hkv=8 (Llama-3-8B)
-#   5. e2e: random-weight Llama-3-8B in bf16, greedy decode with triton / paged-triton / torch
+#   5. e2e: random-weight Llama-3-8B in bf16, greedy decode with triton / paged-triton / torch; on triton
+#      the warm-up, kernels compiled after it (0) and syncs per step under torch.cuda sync debug mode (<= 1)
 #   6. report: a table with a PASS/FAIL line per target (TPP >= 50% of HBM bandwidth and >= 4.8x dense
 #      attention at n_p = n_s = 4096; TPP vs paged outputs; tests; agreement; e2e)
 set -uo pipefail
@@ -87,7 +88,7 @@ run "4a. bench kernel fp16 MHA" 50 bench_fp16.log "$PY" -m chunkserve.cli bench 
   --backend triton --dtype fp16 --quick --out "$LOG_DIR"
 run "4b. bench kernel bf16 GQA (Llama-3-8B)" 45 bench_bf16.log "$PY" -m chunkserve.cli bench kernel \
   --device cuda --backend triton --dtype bf16 --kv-heads 8 --quick --out "$LOG_DIR"
-run "5. e2e decode (random Llama-3-8B, bf16)" 45 e2e.log "$PY" benchmarks/gpu_check.py e2e "$LOG_DIR"
+run "5. e2e decode (random Llama-3-8B, bf16)" 70 e2e.log "$PY" benchmarks/gpu_check.py e2e "$LOG_DIR"
 
 "$PY" benchmarks/gpu_check.py report "$LOG_DIR" 2>&1 | tee "$LOG_DIR/report.log"
 status="${PIPESTATUS[0]}"
