@@ -121,10 +121,14 @@ async def run_load(url: str, tenants: dict[str, tuple[str, float, int]], duratio
 
 
 
-def launch(tenants_file: str, fair: bool, port: int, model: str | None, engine: dict) -> subprocess.Popen:
+def launch(tenants_file: str, fair: bool, port: int, model: str | None, engine: dict,
+           max_ongoing: int) -> subprocess.Popen:
     exe = Path(sys.executable).with_name("chunkserve")
+    config = Path(tenants_file).with_name("app.yaml")
+    config.write_text(f"max_ongoing_requests: {max_ongoing}\n")
     cmd = [str(exe), "up", "--workers", "1", "--tenants", tenants_file, "--http-port", str(port),
-           "--grpc-port", str(port + 1), "--engine", json.dumps({**engine, "fair_share": fair})]
+           "--grpc-port", str(port + 1), "--engine", json.dumps({**engine, "fair_share": fair}),
+           "--config", str(config)]
     if model:
         cmd += ["--model", model]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -175,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--light-words", type=int, default=60, help="prompt words of the light tenant (heavy: 4x)")
     ap.add_argument("--port", type=int, default=18000)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--max-ongoing", type=int, default=1024,
+                    help="the worker deployment's max_ongoing_requests: requests beyond it wait in Ray Serve's "
+                         "first-come queue, out of the fair scheduler's sight")
     ap.add_argument("--engine", default='{"max_num_seqs": 8, "max_num_batched_tokens": 256}',
                     help="EngineConfig fields (JSON) for both runs")
     args = ap.parse_args(argv)
@@ -190,10 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{args.port}"
     print(f"light: {args.light_rate} req/s x {args.light_words} words; heavy: {10 * args.light_rate} req/s x "
           f"{4 * args.light_words} words; 16 output tokens; {args.duration:.0f} s per run; one worker; "
-          f"model {args.model or 'embedded SmolLM2'}; engine {args.engine}")
+          f"model {args.model or 'embedded SmolLM2'}; engine {args.engine}; worker max_ongoing_requests "
+          f"{args.max_ongoing}")
     out: dict[str, float] = {}
     for fair in (True, False):
-        proc = launch(tenants_file, fair, args.port, args.model, json.loads(args.engine))
+        proc = launch(tenants_file, fair, args.port, args.model, json.loads(args.engine), args.max_ongoing)
         try:
             wait_ready(url, keys["light"])
             if fair:
