@@ -311,5 +311,5 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
+def _s(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -21,7 +21,7 @@ import json
 import re
 import sys
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from chunkserve import env
 
@@ -109,7 +109,7 @@ def _signature(fn: object, consts: dict[str, object], dtype: str) -> tuple[dict[
     return sig, attrs
 
 
-def _kernel_and_config(spec: Spec) -> tuple[object, dict[str, object], dict[str, int]]:
+def _kernel_and_config(spec: Spec) -> tuple[Any, dict[str, Any], dict[str, int]]:
     """The jit function, its constexprs and launch options as the launcher picks them."""
     from chunkserve.kernels import prefill_triton as pf
     from chunkserve.kernels import tpp_triton as tt

@@ -154,7 +154,7 @@ def prefill_torch(
                                        _piece(v_pool_l, piece).unsqueeze(0), scale, bias)
             if acc_o is None:
                 acc_o, acc_lse = o.clone(), lse.clone()
-            else:
+            elif acc_lse is not None:  # set together with acc_o
                 merge_into(acc_o, acc_lse, o, lse)
         res = acc_o.view(hkv, g, n_b, d).permute(2, 0, 1, 3).reshape(n_b, hq, d)  # type: ignore[union-attr]
         out[cu[b] : cu[b + 1]] = res.to(q.dtype)

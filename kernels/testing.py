@@ -17,7 +17,7 @@ from chunkserve.kernels.context import ChunkContext
 Path = list[tuple[int, int]]  # [(chunk_id, valid_tokens)] root first
 
 
-def _i32(x: list[int], device: torch.device) -> torch.Tensor:
+def _i32(x: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.int32, device=device)
 
 

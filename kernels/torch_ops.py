@@ -64,9 +64,9 @@ def partial_attention(
     (M == T, no bias). -> o: [B, H, M, D], lse: [B, H, M].
     """
     if causal and (k.dtype != torch.float32 or _FLASH_CPU is None or q.device.type != "cpu"):
-        m, t = q.shape[-2], k.shape[-2]
-        bias = torch.zeros(m, t, dtype=torch.float32, device=q.device).masked_fill_(
-            torch.ones(m, t, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+        nq, nk = q.shape[-2], k.shape[-2]
+        bias = torch.zeros(nq, nk, dtype=torch.float32, device=q.device).masked_fill_(
+            torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
         causal = False
     if k.dtype != torch.float32:
         return _partial_upcast(q, k, v, scale, bias, ws or Workspace())

@@ -15,6 +15,8 @@ run over runs and chunk positions only.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from chunkserve.kernels.context import ChunkContext
@@ -123,9 +125,9 @@ def tpp_decode_torch(
     # phase 1: one batched partial per shared run, the queries of its rows stacked (GQA packed):
     # all runs in one in-place kernel call when it serves the shapes, else one ATen call per run
     runs_kernel = kern is not None and ctx.num_runs > 0 and kern.supports_runs(qf.view(b, hkv, g, d), k_pool_l)
-    if runs_kernel:
-        rt = ws.memo.get(("run_table", id(ctx)))
-        if rt is None or rt[0] is not ctx:  # type: ignore[index]
+    if runs_kernel and kern is not None:
+        rt: Any = ws.memo.get(("run_table", id(ctx)))
+        if rt is None or rt[0] is not ctx:
             rt = (ctx, RunTable.build([r[:2] for r in ctx.runs_host], list(ctx.run_chunk_lists),
                                       list(ctx.run_token_lists)))
             ws.remember(("run_table", id(ctx)), rt)

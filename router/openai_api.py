@@ -7,6 +7,7 @@ bad body becomes an ``APIError`` carrying the HTTP status and ``{"error": {messa
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -37,7 +38,7 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def validation_to_api_error(errors: list[dict[str, Any]]) -> APIError:
+def validation_to_api_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """A 400 naming the first offending field of a pydantic / FastAPI validation error list."""
     if not errors:
         return APIError(400, "invalid request body")

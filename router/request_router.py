@@ -46,7 +46,7 @@ def extract_chain(pending_request: PendingRequest | None, max_chunks: int) -> li
     if chain is None and pending_request.args:
         first = pending_request.args[0]
         chain = first.get(CHAIN_KWARG) if isinstance(first, dict) else getattr(first, CHAIN_KWARG, None)
-    if not isinstance(chain, list | tuple) or not all(isinstance(h, Integral) and h >= 0 for h in chain):
+    if not isinstance(chain, list | tuple) or not all(isinstance(h, Integral) and int(h) >= 0 for h in chain):
         return []
     return [int(h) for h in chain[:max_chunks]]
 
@@ -55,7 +55,7 @@ def _stat(r: RunningReplica, name: str) -> int:
     """A non-negative integer from the replica's latest routing stats (0 when absent or malformed)."""
     stats = getattr(r, "routing_stats", None)
     v = stats.get(name) if isinstance(stats, dict) else None
-    return int(v) if isinstance(v, Integral) and v > 0 else 0
+    return int(v) if isinstance(v, Integral) and int(v) > 0 else 0
 
 
 class PrefixAwareRouter(RequestRouter):

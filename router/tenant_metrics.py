@@ -52,7 +52,7 @@ def tenant_families(model_name: str, snapshots: Sequence[Mapping[str, Any]]) -> 
     labels = ["model_name", "tenant", "worker_id"]
     rows = list(_rows(snapshots))
     for name, (field, doc) in _GAUGES.items():
-        m = GaugeMetricFamily(f"chunkserve:{name}", doc, labels=labels)
+        m: GaugeMetricFamily | CounterMetricFamily = GaugeMetricFamily(f"chunkserve:{name}", doc, labels=labels)
         for tenant, worker, st in rows:
             v = _num(st.get(field))
             if v is not None:
