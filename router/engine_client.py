@@ -10,7 +10,7 @@ status from the HTTP one). Nothing here imports torch or the model.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 from chunkserve.router.openai_api import APIError
@@ -32,7 +32,7 @@ from chunkserve.workers.streaming import StreamBatching
 class EngineClient(Protocol):
     """What the ingress calls: streams the deltas of one request; closing the iterator aborts it."""
 
-    def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncIterator[GenerateDelta]: ...
+    def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncGenerator[GenerateDelta, None]: ...
 
 
 class LocalEngineClient:
@@ -43,7 +43,7 @@ class LocalEngineClient:
         self.engine = engine
         self.batching = batching
 
-    def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncIterator[GenerateDelta]:
+    def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncGenerator[GenerateDelta, None]:
         if self.batching is not None:
             return self.engine.generate(request, self.batching)
         return self.engine.generate(request)
@@ -71,7 +71,7 @@ class HandleEngineClient:
         self._handle = handle.options(stream=True)
         self._method = method
 
-    async def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncIterator[GenerateDelta]:
+    async def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncGenerator[GenerateDelta, None]:
         gen = getattr(self._handle, self._method).remote(request, chunk_hashes=chunk_hashes)
         finished = False
         try:

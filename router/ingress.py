@@ -27,10 +27,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from chunkserve import env
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
@@ -161,6 +161,8 @@ class Ingress(GrpcServiceMixin):
 
     async def tokenize(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         """Prompt token ids (chat requests go through the tokenizer's chat template)."""
+        fn: Callable[[Any], list[int]]
+        arg: Any
         try:
             if isinstance(req, ChatCompletionRequest):
                 msgs = req.template_messages()
@@ -169,7 +171,7 @@ class Ingress(GrpcServiceMixin):
             elif isinstance(req.prompt, str):
                 size, fn, arg = len(req.prompt), self._encode_text, req.prompt
             else:
-                ids = list(req.prompt)  # type: ignore[arg-type]
+                ids = cast(list[int], list(req.prompt))  # validated as token ids by the request schema
                 bad = [t for t in ids if t >= self._vocab]
                 if bad:
                     raise APIError(400, f"prompt token id {bad[0]} is out of range for a vocabulary of "
@@ -248,7 +250,7 @@ class Ingress(GrpcServiceMixin):
         return APIError(503, message, type="server_error", code=code,
                         headers={"Retry-After": str(self.config.retry_after_s)})
 
-    async def stream(self, prep: Prepared) -> AsyncIterator[GenerateDelta]:
+    async def stream(self, prep: Prepared) -> AsyncGenerator[GenerateDelta, None]:
         """The engine's deltas for a prepared request. Closing this iterator early aborts the request;
         the lease is released and the metrics recorded whatever happens (finished_reason "stop",
         "length", "abort" or "error"). Engine errors become APIError.

@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -74,7 +74,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ public API
     async def generate(self, request: GenerateRequest, batching: StreamBatching | None = None
-                       ) -> AsyncIterator[GenerateDelta]:
+                       ) -> AsyncGenerator[GenerateDelta, None]:
         """Stream token deltas for one request; the last delta has a finish_reason. With ``batching``
         the deltas are coalesced (the first alone, then at most one item per interval)."""
         loop = asyncio.get_running_loop()

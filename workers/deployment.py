@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from chunkserve.workers.cpu_budget import rule_threads
@@ -113,7 +113,7 @@ class WorkerServer:
         return st
 
     async def generate(self, request: GenerateRequest, chunk_hashes: list[int] | None = None,
-                       routing: dict[str, Any] | None = None) -> AsyncIterator[GenerateDelta]:
+                       routing: dict[str, Any] | None = None) -> AsyncGenerator[GenerateDelta, None]:
         """Stream the request's deltas, coalesced (``chunk_hashes`` is read by the router, not needed here;
         ``routing``, the router's prediction, is scored against the reuse on the first delta)."""
         self.start_publishing()
@@ -198,7 +198,7 @@ def build_worker_deployment(name: str = "Worker", num_replicas: int | str = 1,
                 self.server.start_publishing()
 
         async def generate(self, request: GenerateRequest, chunk_hashes: list[int] | None = None,
-                           routing: dict[str, Any] | None = None) -> AsyncIterator[GenerateDelta]:
+                           routing: dict[str, Any] | None = None) -> AsyncGenerator[GenerateDelta, None]:
             async for delta in self.server.generate(request, chunk_hashes, routing):
                 yield delta
 

@@ -13,7 +13,7 @@ frontend that only tokenises can use it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -171,7 +171,7 @@ _STATS_REQUIRED = frozenset(f.name for f in fields(EngineStats) if f.default is 
 
 @runtime_checkable
 class EngineProtocol(Protocol):
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]: ...
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

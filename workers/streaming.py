@@ -17,7 +17,7 @@ most once per interval. Torch-free, like `protocol.py`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +67,7 @@ def merge_deltas(deltas: Sequence[GenerateDelta]) -> GenerateDelta:
                          logprobs=logprobs, first_token_time=first_time, extra=last.extra)
 
 
-async def coalesce(queue: asyncio.Queue, batching: StreamBatching) -> AsyncIterator[GenerateDelta]:
+async def coalesce(queue: asyncio.Queue, batching: StreamBatching) -> AsyncGenerator[GenerateDelta, None]:
     """The deltas put on ``queue`` (an exception put there is raised, after the tokens before it), merged
     as the module docstring says; ends after the delta with a finish reason."""
     loop = asyncio.get_running_loop()
