@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -108,7 +108,7 @@ class FairShare:
         t = self.tenants.get(req.tenant)
         return (t.counter if t is not None else 0.0, req.seq)
 
-    def pick(self, waiting: list[HasTenant]) -> int:
+    def pick(self, waiting: Sequence[HasTenant]) -> int:
         """Index of the request to admit next (the queue is kept in arrival order)."""
         if not self.config.enabled or len(waiting) < 2:
             return 0

@@ -70,7 +70,7 @@ class StepInputs:
             self._i["sample_rows"] = staging.add(sample_rows)
         self._prefill_host: tuple | None = None
         if plan.prefills:
-            tables = [cache.seq_chunks(p.req.seq_id) for p in plan.prefills]
+            tables = [cache.seq_chunks(p.req.sid) for p in plan.prefills]
             width = max(len(t) for t in tables)
             bt = np.zeros((len(tables), width), dtype=np.int32)
             btok = np.zeros((len(tables), width), dtype=np.int32)
@@ -78,7 +78,7 @@ class StepInputs:
                 n = len(t)
                 bt[r, :n] = t
                 btok[r, :n - 1] = c
-                btok[r, n - 1] = cache.seq_len(p.req.seq_id) - c * (n - 1)
+                btok[r, n - 1] = cache.seq_len(p.req.sid) - c * (n - 1)
             starts = [p.start for p in plan.prefills]
             cu = [0]
             for p in plan.prefills:

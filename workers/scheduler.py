@@ -69,6 +69,13 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def sid(self) -> int:
+        """The cache sequence of an admitted request (RuntimeError before admission or after release)."""
+        if self.seq_id is None:
+            raise RuntimeError(f"request {self.request_id!r} holds no cache sequence")
+        return self.seq_id
+
+    @property
     def prefilling(self) -> bool:
         """Still before its first sampled token, or recomputing after a preemption."""
         return not self.output or self.num_computed < len(self.prompt) + len(self.output) - 1
@@ -227,7 +234,7 @@ class Scheduler:
                 continue
             while True:
                 try:
-                    self._slots[id(req)] = self.cache.append_slot(req.seq_id, req.output[-1])
+                    self._slots[id(req)] = self.cache.append_slot(req.sid, req.output[-1])
                     break
                 except KVCacheFull:
                     victim = self._victim(req)
@@ -298,7 +305,7 @@ class Scheduler:
             self._take_pin(req)
             return 1
         try:
-            chunks, offsets = self.cache.extend_host(req.seq_id, n)  # host arrays: no device access
+            chunks, offsets = self.cache.extend_host(req.sid, n)  # host arrays: no device access
         except KVCacheFull:
             self._preempt(req)  # its computed chunks stay cached, so the retry is cheap
             return 0
@@ -317,7 +324,7 @@ class Scheduler:
         """Order decode rows by tree order and record their slots (after all structure changes)."""
         if not decodes:
             return
-        ctx = self.cache.host_context([r.seq_id for r in decodes])  # host arrays; the runner moves them
+        ctx = self.cache.host_context([r.sid for r in decodes])  # host arrays; the runner moves them
         order = ctx.order.tolist()
         plan.decodes = [decodes[i] for i in order]
         plan.decode_ctx = ctx
@@ -342,8 +349,8 @@ class Scheduler:
         tenants: dict[str, dict[str, Any]] = {}
         for name, st in self.fair.stats().items():
             tenants.setdefault(name, {}).update(st)
-        for name, st in self.pins.stats().items():
-            tenants.setdefault(name, {}).update(st)
+        for name, pst in self.pins.stats().items():
+            tenants.setdefault(name, {}).update(pst)
         return {"tenant_sched": tenants, "pinned_chunks": self.cache.num_pinned_chunks,
                 "fair_share": self.config.fair_share}
 
