@@ -172,12 +172,11 @@ def build_worker_deployment(name: str = "Worker", num_replicas: int | str = 1,
                             "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s,
                             "graceful_shutdown_wait_loop_s": 0.5}
     if request_router_class is not None:
-        opts["request_router_config"] = RequestRouterConfig(request_router_class=request_router_class,
-                                                            request_router_kwargs=(
-                                                                {"predictions": True, **(router_kwargs or {})}
-                                                                if request_router_class == PREFIX_ROUTER
-                                                                else router_kwargs or {}),
-                                                            request_routing_stats_period_s=1.0)
+        kwargs = ({"predictions": True, **(router_kwargs or {})} if request_router_class == PREFIX_ROUTER
+                  else router_kwargs or {})
+        router_cfg: dict[str, Any] = {"request_router_class": request_router_class, "request_router_kwargs": kwargs,
+                                      "request_routing_stats_period_s": 1.0}
+        opts["request_router_config"] = RequestRouterConfig(**router_cfg)  # (Ray's __init__ is typed **dict)
     if autoscaling_config:
         opts["autoscaling_config"] = autoscaling_config
     else:

@@ -63,7 +63,9 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], n_c: int, share: b
         if rate:
             t += rng.expovariate(rate)
     start = time.perf_counter()
-    added, first, done = 0, {}, {}
+    added = 0
+    first: dict[int, float] = {}  # request -> time to its first token
+    done: dict[int, float] = {}  # request -> finish time
     decode_time, decode_tokens, decode_steps, peak_batch = 0.0, 0, 0, 0
     step_rates: list[float] = []  # tokens/s of each pure decode step (the median resists load bursts)
     while len(done) < len(prompts):
@@ -264,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     n_ps = args.n_p or ([1024] if args.quick else [1024, 2048])
     torch.set_num_threads(args.threads)
     if args.interleaved:
-        res = interleaved_decode(load_model(None, dtype=args.dtype), args.batch, *args.interleaved,
+        n_p, n_s = args.interleaved
+        res = interleaved_decode(load_model(None, dtype=args.dtype), args.batch, n_p, n_s,
                                  args.chunk_size, args.threads, hf=not args.no_hf)
         hf_txt = (f", HF StaticCache {res['hf_static_step_ms']:.1f} ms -> TPP x{res['tpp_vs_hf_static']:.2f} over HF"
                   if "hf_static_step_ms" in res else "")

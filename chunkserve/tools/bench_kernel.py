@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import gc
 import json
 import os
 import platform
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,9 +77,7 @@ def run_group(configs: list[tuple[int, int]], args: argparse.Namespace, timer: T
             ws, out = Workspace(), torch.empty_like(q)
             outs[name] = out
             work[(ci, name)] = timer.prepare(
-                [lambda fn=fn, kp=kp, vp=vp, ctx=ctx, qs=q_sorted, o=out, ws=ws: fn(qs, kp, vp, ctx, scale, out=o,
-                                                                                     workspace=ws)
-                 for kp, vp in sets])
+                [functools.partial(fn, q_sorted, kp, vp, ctx, scale, out=out, workspace=ws) for kp, vp in sets])
         for fns in (work[(ci, "tpp")], work[(ci, "paged")]):
             fns[0]()
         torch.cuda.synchronize() if device.type == "cuda" else None
@@ -122,7 +122,7 @@ def time_dense(n_p: int, args: argparse.Namespace, timer: Timer, gen: torch.Gene
     def sdpa(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=g > 1)
 
-    work = {name: timer.prepare([lambda f=f, k=k, v=v: f(k, v) for k, v in sets])
+    work = {name: timer.prepare([functools.partial(f, k, v) for k, v in sets])
             for name, f in (("naive", naive), ("sdpa", sdpa))}
     samples: dict[str, list[float]] = {name: [] for name in work}
     for rep in range(args.warmup + args.repeats):
@@ -134,7 +134,7 @@ def time_dense(n_p: int, args: argparse.Namespace, timer: Timer, gen: torch.Gene
     return res | {f"{name}_min": min(s) * 1e6 for name, s in samples.items()}
 
 
-def finish_row(row: dict[str, float], args: argparse.Namespace, machine: Machine) -> dict[str, float]:
+def finish_row(row: dict[str, float], args: argparse.Namespace, machine: Machine) -> dict[str, Any]:
     """Add speed-up, bytes per method, TPP roofline time and efficiency."""
     b, h, d = args.batch, args.heads, args.head_dim
     elem = torch.empty(0, dtype=DTYPES[args.dtype]).element_size()

@@ -42,7 +42,7 @@ from chunkserve.tools.loadtest_report import read_request_log, soak_verdict, sum
 
 logger = logging.getLogger("chunkserve.loadtest")
 
-LOCUSTFILE = Path(str(importlib.util.find_spec("chunkserve.loadtests").origin)).parent / "locustfile.py"
+LOCUSTFILE = Path(str(getattr(importlib.util.find_spec("chunkserve.loadtests"), "origin", ""))).parent / "locustfile.py"
 
 
 @dataclass(frozen=True)
