@@ -117,7 +117,7 @@ class ModelConfig:
         if isinstance(hf, Mapping):
             hf = _hf_config_from_dict(hf)
         model_type = getattr(hf, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}: chunkserve runs Llama-family decoders "
                              f"({', '.join(SUPPORTED_MODEL_TYPES)})")
         act = getattr(hf, "hidden_act", "silu")
@@ -168,7 +168,7 @@ def _hf_config_from_dict(d: Mapping[str, Any]) -> Any:
     from transformers import AutoConfig
 
     model_type = d.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         archs = d.get("architectures")
         raise ValueError(f"unsupported model_type {model_type!r} (architectures={archs}): chunkserve runs "
                          f"Llama-family decoders ({', '.join(SUPPORTED_MODEL_TYPES)})")

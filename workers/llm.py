@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from chunkserve.workers.engine import EngineConfig, EngineCore
 from chunkserve.workers.sampling import SamplingParams
@@ -70,9 +70,9 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              salt: bytes = b"") -> list[RequestOutput]:
         """Generate a reply for each OpenAI-style message list, using the model's chat template."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        return self._run([self.apply_chat_template(c) for c in conversations], sampling_params, salt)
+        one = bool(conversations) and isinstance(conversations[0], dict)
+        convs = cast(list[list[dict[str, str]]], [conversations] if one else conversations)
+        return self._run([self.apply_chat_template(c) for c in convs], sampling_params, salt)
 
     def _run(self, token_lists: list[list[int]], params: SamplingParams | list[SamplingParams] | None,
              salt: bytes) -> list[RequestOutput]:

@@ -230,7 +230,7 @@ class _BlockLinear:
         if self.norm_w is not None and self.norm_w.shape != (self.k,):
             raise ValueError(f"norm weight of shape {tuple(self.norm_w.shape)} for a linear of input size {self.k}")
         self.args = _CsQWeight(0 if is4 else 1, _DTYPE_CODES[out_dtype], w.q.data_ptr(), w.d.data_ptr(),
-                               w.m.data_ptr() if is4 else None,
+                               w.m.data_ptr() if isinstance(w, Q4Weight) else None,
                                None if self.bias is None else self.bias.data_ptr(), self.n, self.k,
                                None if self.norm_w is None else self.norm_w.data_ptr(),
                                0.0 if norm is None else float(norm[1]), int(glu))

@@ -48,7 +48,7 @@ class Staging:
 
     def add(self, array: np.ndarray | list[int], dtype: type = np.int64) -> int:
         """Queue an array; returns its index in the list ``flush`` returns."""
-        a = np.ascontiguousarray(array, dtype=dtype)
+        a: np.ndarray = np.ascontiguousarray(array, dtype=dtype)
         self._items.append(a)
         return len(self._items) - 1
 

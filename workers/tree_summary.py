@@ -167,7 +167,7 @@ def summarize_forest(tree: PrefixTree, usage: ForestUsage | None = None, top_n: 
     for _, _, s in scopes:
         sizes_all.update(s)
     em = _Emitter(usage, sizes_all, max_runs)
-    out_scopes = []
+    out_scopes: list[dict[str, Any]] = []
     for salt, root, sizes in scopes:
         kids = sorted(_children(root), key=lambda k: -sizes[id(k)])
         shown = [k for k in kids if id(k) in kept]

@@ -171,7 +171,7 @@ class RoutingAccuracy:
         if not isinstance(predicted, int):
             return None
         reused = min(max(0, int(num_cached_tokens)) // self.chunk_size, depth)
-        rec = {"request_id": request_id, "reason": reason, "depth": depth, "predicted": predicted,
+        rec: dict[str, Any] = {"request_id": request_id, "reason": reason, "depth": depth, "predicted": predicted,
                "reused": reused, "correct": predicted == reused}
         t = self.by_reason.get(reason)
         if t is None:
