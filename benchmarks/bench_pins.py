@@ -12,6 +12,7 @@ workers. Prints one row per (pinned, unpinned): cached tokens of the follow-up r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -31,7 +32,10 @@ def worker_mode(model: str | None, pool_chunks: int) -> None:
     from chunkserve.workers.sampling import SamplingParams
 
     for pinned in (True, False):
-        core = EngineCore(EngineConfig(model=model, num_kv_chunks=pool_chunks, max_pinned_fraction=0.75,
+        if model == "tiny-8k":  # random:tiny with an 8k context (the 4,096-token prefix plus a question)
+            from chunkserve.workers.config import preset_config
+            model = dataclasses.replace(preset_config("tiny"), max_position_embeddings=8192)
+        core = EngineCore(EngineConfig(model=model, num_kv_chunks=pool_chunks,
                                        max_num_batched_tokens=2048))
         rng = random.Random(0)
         vocab = core.model_config.vocab_size
@@ -69,7 +73,7 @@ def up_mode(pool_chunks: int, workers: int, port: int) -> None:
     Path(tf).write_text("tenants:\n" + "".join(
         f"  - id: {t}\n    api_key_sha256: [{hash_api_key('key-' + t)}]\n" for t in ("acme", "other")))
     exe = Path(sys.executable).with_name("chunkserve")
-    eng = {"num_kv_chunks": pool_chunks, "max_pinned_fraction": 0.75, "max_num_batched_tokens": 2048}
+    eng = {"num_kv_chunks": pool_chunks, "max_num_batched_tokens": 2048}
     proc = subprocess.Popen([str(exe), "up", "--workers", str(workers), "--tenants", tf, "--http-port", str(port),
                              "--grpc-port", str(port + 1), "--engine", json.dumps(eng)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -122,8 +126,8 @@ def up_mode(pool_chunks: int, workers: int, port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["worker", "up"], default="worker")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--pool-chunks", type=int, default=96, help="KV chunks of 64 tokens per worker")
+    ap.add_argument("--model", default=None, help="worker mode: default the embedded SmolLM2; tiny-8k: random tiny")
+    ap.add_argument("--pool-chunks", type=int, default=128, help="KV chunks of 64 tokens per worker")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--port", type=int, default=18100)
     args = ap.parse_args(argv)

@@ -88,7 +88,7 @@ class EngineCore:
             raise PromptTooLongError(f"prompt of {len(ids)} tokens exceeds the context length {self.max_model_len}")
         c = self.cache.chunk_size
         usable = self.cache.pool.num_chunks - self.cache.num_pinned_chunks
-        if -(-(len(ids) + 1) // c) > usable:
+        if -(-(len(ids) + 1) // c) - self.cache.pinned_prefix_chunks(ids, salt) > usable:  # its pinned prefix is no cost
             raise KVPoolTooSmallError(f"prompt of {len(ids)} tokens does not fit the KV pool ({usable * c} tokens)")
         req = Request(request_id, ids, params, salt, arrival=time.monotonic(), tenant=tenant, weight=weight,
                       pin=cache_pin)

@@ -208,6 +208,12 @@ class PrefixTree:
                 if node.num_children == 0 and self._nodes.get(node.chunk) is node:
                     heapq.heappush(self._evictable, (node.last_access, node.chunk, node))
 
+    def pinned_prefix_chunks(self, token_ids: Seq[int] | np.ndarray, salt: bytes = b"") -> int:
+        """How many of the leading full chunks of ``token_ids`` are cached and pinned (a request reuses them
+        without needing room of its own)."""
+        path, _ = self._walk(check_tokens(token_ids), salt)
+        return sum(1 for node in path if node.pinned)
+
     def pinned_tokens(self) -> int:
         return sum(len(n.tokens) for n in self._nodes.values() if n.pinned)
 

@@ -117,3 +117,20 @@ def test_a_private_pin_is_never_visible_to_another_tenant() -> None:
     assert b.num_cached == 0  # b computed it again in its own scope
     assert sim.sched.cache.num_pinned_chunks == 64  # and b's copy is not pinned
     assert "b" not in sim.sched.stats()["tenant_sched"] or sim.sched.stats()["tenant_sched"]["b"].get("pins", 0) == 0
+
+
+def test_a_request_over_its_own_pinned_prefix_is_not_refused_for_the_pinned_room() -> None:
+    from chunkserve.workers.engine import EngineConfig, EngineCore
+    from chunkserve.workers.sampling import SamplingParams
+
+    core = EngineCore(EngineConfig(model="random:tiny", chunk_size=16, num_kv_chunks=16, max_model_len=1024))
+    prefix = list(range(100, 228))  # 8 chunks: all that the pool's pin share (0.5) allows
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    core.add_request("a", prefix + [1], params, b"t", tenant="t", cache_pin=PinSpec(128, 300.0, 1024))
+    while core.has_work():
+        core.step()
+    assert core.cache.num_pinned_chunks == 8
+    req = core.add_request("b", prefix + list(range(300, 310)), params, b"t", tenant="t")  # 9 chunks > 8 unpinned
+    while core.has_work():
+        core.step()
+    assert req.num_cached == 128 and len(req.output) == 1
