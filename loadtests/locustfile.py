@@ -124,6 +124,8 @@ def state_of(environment: Environment) -> RunState:
 @events.test_start.add_listener
 def _build(environment: Environment, **_: Any) -> None:
     o = environment.parsed_options
+    if o is None:
+        raise RuntimeError("locust started the test without parsed options")
     keys = read_api_keys(o.api_keys_file) if o.api_keys_file else {}
     n = o.tenants if o.tenants is not None else (len(keys) or 4)
     cfg = WorkloadConfig(num_tenants=n, prompt_tokens=parse_lengths(o.prompt_tokens),
@@ -146,7 +148,7 @@ def _drain(environment: Environment, **_: Any) -> None:
     left = len(st.inflight)
     if left:
         st.inflight.kill(block=True, timeout=5)
-        for _ in range(left):
+        for _n in range(left):
             environment.events.request.fire(request_type=METRIC, name="drain_timeout", response_time=0,
                                             response_length=0, exception=RuntimeError("open at drain timeout"))
             if st.log is not None:  # so that summaries count them as failed requests

@@ -16,7 +16,7 @@ client's fault is INTERNAL ("internal error"), UNAVAILABLE (no worker) with ``re
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -178,7 +178,7 @@ class GrpcServiceMixin:
                                    usage=_usage(last))
 
     async def GenerateStream(self: Any, request: bytes | pb.GenerateRequest, grpc_context: Any
-                             ) -> AsyncIterator[pb.GenerateStreamResponse]:
+                             ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         """Server-streaming generate: text/token deltas; the last message has finish_reason and usage.
         Cancelling the call closes this generator, which aborts the request and frees its KV chunks."""
         try:
@@ -205,8 +205,8 @@ class GrpcServiceMixin:
             self.metrics.error(500)
             raise _set_error(grpc_context, APIError(500, "internal error", "server_error")) from None
         if last is None or last.finish_reason in (None, "abort"):
-            e = self.unavailable("the engine ended the request before it finished", code="engine_aborted")
-            raise _set_error(grpc_context, e)
+            err = self.unavailable("the engine ended the request before it finished", code="engine_aborted")
+            raise _set_error(grpc_context, err)
 
 
 class _AioServicer(pb_grpc.ChunkServeServicer):

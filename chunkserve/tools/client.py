@@ -156,11 +156,11 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
                            "errors": sorted({r.error for r in records if r.error})[:3]}
     if not ok:
         return out
-    wall = max(r.end for r in ok) - min(r.start for r in records)  # type: ignore[type-var]
+    wall = max(r.end for r in ok) - min(r.start for r in records)  # type: ignore[type-var,operator]  # ok: end set
     tokens = sum(r.completion_tokens for r in ok)
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     prompt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
-    decoding = [r for r in ok if r.first is not None and r.completion_tokens > 1 and r.end > r.first]
+    decoding = [r for r in ok if r.first is not None and r.completion_tokens > 1 and r.end > r.first]  # type: ignore[operator]
     tpots = [(r.end - r.first) / (r.completion_tokens - 1) for r in decoding]  # type: ignore[operator]
     out.update({
         "completion_tokens": tokens,
