@@ -205,7 +205,7 @@ class Sampler:
         -> (e [m, V] with each row's max = 1, their sums Z [m]).
         """
         if idx is None:
-            x = torch.div(logits, temp.unsqueeze(1), out=self._buf(0, *logits.shape, logits.device))
+            x = torch.div(logits, temp.unsqueeze(1), out=self._buf(0, logits.shape[0], logits.shape[1], logits.device))
         else:
             x = self._rows(logits, idx, 0).div_(temp.unsqueeze(1))
         e = x.sub_(x.amax(-1, keepdim=True)).exp_()  # [m, V]
@@ -308,8 +308,8 @@ class Sampler:
             staging = self._staging.get(str(dev))
             if staging is None:
                 staging = self._staging[str(dev)] = Staging(dev)
-            idx = plan.stage(staging)
-            plan.bind(staging.flush(), idx)
+            staged = plan.stage(staging)
+            plan.bind(staging.flush(), staged)
         tokens = _argmax(logits) if plan.any_greedy else torch.empty(n, dtype=torch.long, device=dev)  # [n]
         for g, (kind, rows, k_max, *_host) in enumerate(plan.groups):
             idx, knobs, u = plan.dev[3 * g: 3 * g + 3]  # [m], [3, m], [m]
@@ -322,7 +322,7 @@ class Sampler:
                 ids = self._sample_nucleus(*self._probs(logits, sub, temp), top_p, u)
             else:
                 e = self._probs(logits, sub, temp)[0]  # [m, V]
-                ids = _pick(e, u, out=self._buf(1, *e.shape, dev))  # over the unsorted vocabulary
+                ids = _pick(e, u, out=self._buf(1, e.shape[0], e.shape[1], dev))  # over the unsorted vocabulary
             tokens.index_copy_(0, idx, ids)
         if not plan.want:
             return tokens, None
