@@ -6,7 +6,7 @@ The engine flattens the tokens of every sequence in a step into one batch of T r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -91,8 +91,9 @@ class CausalLM:
         self._packed_head: torch.Tensor | None = None
         self._batch_hint = 32
         # the bound matmuls of every layer (qkv, o, gate_up, down): for one row on one thread, and otherwise
-        self._fns_row: list[tuple[LinearFn, ...]] = []
-        self._fns_rows: list[tuple[LinearFn, ...]] = []
+        # per layer (qkv, o, gate_up, down): LinearFns, or with the fused int4 path f(x, h, rope=...) calls
+        self._fns_row: list[tuple[Callable[..., torch.Tensor], ...]] = []
+        self._fns_rows: list[tuple[Callable[..., torch.Tensor], ...]] = []
         self._head: LinearFn = plain_linear(embed, None)
         self._fused = False  # the bound matmuls carry the norms, SwiGLU and residual adds (block-quantised)
         self._bind()
@@ -129,12 +130,13 @@ class CausalLM:
         else:
             self._head = self._linear_fns(self.lm_head, None, self._packed_head)[1]  # as fast or faster there
 
-    def _bind_fused(self) -> list[tuple[LinearFn, ...]] | None:
+    def _bind_fused(self) -> list[tuple[Callable[..., torch.Tensor], ...]] | None:
         """Block-quantised layers with the kernel available: (qkv with RMSNorm ln1 in, o, gate_up with RMSNorm
         ln2 in, down with SwiGLU in) per layer; o and down add into the residual (`f(x, h)`). None otherwise."""
         if not all(isinstance(w, Q4Weight | Q8Weight) for lw in self.layers for w, _ in lw.matmuls()):
             return None
-        eps, out = self.config.rms_norm_eps, []
+        eps = self.config.rms_norm_eps
+        out: list[tuple[Callable[..., torch.Tensor], ...]] = []
         for lw in self.layers:
             fns = (fused_block_linear(lw.w_qkv, lw.b_qkv, self.dtype, norm=(lw.ln1, eps)),  # type: ignore[arg-type]
                    fused_block_linear(lw.w_o, lw.b_o, self.dtype),  # type: ignore[arg-type]
@@ -142,7 +144,7 @@ class CausalLM:
                    fused_block_linear(lw.w_down, lw.b_down, self.dtype, glu=True))  # type: ignore[arg-type]
             if any(f is None for f in fns):
                 return None
-            out.append(fns)
+            out.append(tuple(f for f in fns if f is not None))
         return out
 
     def prepack(self, batch_hint: int = 32) -> bool:
@@ -232,19 +234,17 @@ class CausalLM:
         """From Hugging Face names (`model.layers.{i}.self_attn.q_proj.weight`, ...); fuses at load time."""
         prefix = "model." if "model.embed_tokens.weight" in sd else ""
 
-        def get(name: str, optional: bool = False) -> torch.Tensor | None:
+        def get(name: str) -> torch.Tensor:
             key = name if name == "lm_head.weight" else prefix + name
             if key not in sd:
-                if optional:
-                    return None
                 raise ValueError(f"checkpoint is missing tensor {key!r} required by {config.architecture}")
             return sd[key]
 
-        def put(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
 
-        def cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
-            return None if ts[0] is None else torch.cat([t.to(dtype) for t in ts], dim=0)  # type: ignore[union-attr]
+        def cat(*ts: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t.to(dtype) for t in ts], dim=0)
 
         layers: list[LayerWeights] = []
         for i in range(config.num_layers):
@@ -253,7 +253,7 @@ class CausalLM:
             layers.append(LayerWeights(
                 ln1=put(get(f"layers.{i}.input_layernorm.weight")),
                 w_qkv=put(cat(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight"))),
-                b_qkv=put(cat(get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")) if qb else None),
+                b_qkv=put(cat(get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias"))) if qb else None,
                 w_o=put(get(a + "o_proj.weight")),
                 b_o=put(get(a + "o_proj.bias")) if config.o_bias else None,
                 ln2=put(get(f"layers.{i}.post_attention_layernorm.weight")),
@@ -307,21 +307,20 @@ class CausalLM:
         if not c.tie_word_embeddings:
             sd["lm_head.weight"] = self._dense(self.lm_head)
         for i, lw in enumerate(self.layers):
-            lw = LayerWeights(ln1=lw.ln1, w_qkv=self._dense(lw.w_qkv), b_qkv=lw.b_qkv, w_o=self._dense(lw.w_o),
-                              b_o=lw.b_o, ln2=lw.ln2, w_gate_up=self._dense(lw.w_gate_up), b_gate_up=lw.b_gate_up,
-                              w_down=self._dense(lw.w_down), b_down=lw.b_down)
+            w_qkv, w_o = self._dense(lw.w_qkv), self._dense(lw.w_o)
+            w_gate_up, w_down = self._dense(lw.w_gate_up), self._dense(lw.w_down)
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             sd[f"model.layers.{i}.input_layernorm.weight"] = lw.ln1
             sd[f"model.layers.{i}.post_attention_layernorm.weight"] = lw.ln2
-            for name, t in zip(("q", "k", "v"), lw.w_qkv.split([c.q_size, c.kv_size, c.kv_size]), strict=True):
+            for name, t in zip(("q", "k", "v"), w_qkv.split([c.q_size, c.kv_size, c.kv_size]), strict=True):
                 sd[a + f"{name}_proj.weight"] = t
             if lw.b_qkv is not None:
                 for name, t in zip(("q", "k", "v"), lw.b_qkv.split([c.q_size, c.kv_size, c.kv_size]), strict=True):
                     sd[a + f"{name}_proj.bias"] = t
-            sd[a + "o_proj.weight"] = lw.w_o
-            gate, up = lw.w_gate_up.chunk(2, dim=0)
+            sd[a + "o_proj.weight"] = w_o
+            gate, up = w_gate_up.chunk(2, dim=0)
             sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"] = gate, up
-            sd[m + "down_proj.weight"] = lw.w_down
+            sd[m + "down_proj.weight"] = w_down
             if lw.b_o is not None:
                 sd[a + "o_proj.bias"] = lw.b_o
             if lw.b_gate_up is not None and lw.b_down is not None:
