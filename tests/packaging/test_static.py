@@ -8,6 +8,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "static_checks.sh"
 
@@ -37,3 +39,11 @@ def test_import_linter_sees_the_mapped_packages(tmp_path: Path) -> None:
                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT / "build" / "static")})
     assert out.returncode != 0 and "BROKEN" in out.stdout, out.stdout[-3000:]
     assert "chunkserve.router" in out.stdout and "chunkserve.workers" in out.stdout
+
+
+@pytest.mark.slow
+def test_type_check_passes() -> None:
+    """mypy over the whole package at mypy.ini's strictness (a few minutes without its cache)."""
+    out = _run("types", 1200)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    assert "Success: no issues found" in out.stdout
