@@ -18,6 +18,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "e2e": ("chunkserve.tools.bench_e2e", "the paper's end-to-end table on this machine"),
     "prefill": ("chunkserve.tools.bench_prefill", "prefill over a cached prefix vs dense SDPA"),
     "serve": ("chunkserve.tools.bench_serve", "serving benchmark: OpenAI-compatible endpoints side by side"),
+    "cluster": ("chunkserve.tools.bench_cluster", "the paper's end-to-end experiment on a local cluster (rate ladder)"),
 }
 
 

@@ -1,7 +1,7 @@
 """The paper's end-to-end experiment on the cluster: normalised-latency-bound throughput, sharing on/off.
 
-    python -m chunkserve.tools.bench_cluster                      # n = 1024, 2048; about 15 minutes
-    python -m chunkserve.tools.bench_cluster --n 1024 --bound-ms 200 --max-minutes 6
+    chunkserve bench cluster                      # n = 1024, 2048; about 15 minutes
+    chunkserve bench cluster --n 1024 --bound-ms 200 --max-minutes 6
 
 For each system (prefix sharing on: share_prefix + TPP decode; off: share_prefix=False +
 paged-torch, i.e. no prefix reuse and no shared attention) a local one-worker cluster serves the
@@ -162,7 +162,7 @@ def table(sweeps: list[Sweep], a: argparse.Namespace) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m chunkserve.tools.bench_cluster", description=__doc__,
+    ap = argparse.ArgumentParser(prog="chunkserve bench cluster", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", default="1024,2048", help="n_s = n_p values, comma-separated")
     ap.add_argument("--max-tokens", type=int, default=32, help="n_c: tokens generated per request")
