@@ -345,14 +345,9 @@ class PrefixKVCache(PrefixTree):
         return torch.cat(ks, 1).transpose(0, 1), torch.cat(vs, 1).transpose(0, 1)
 
     def cached_hashes(self, max_depth: int) -> list[int]:
-        """Chain hashes of every indexed full chunk above ``max_depth`` (safe from another thread)."""
-        for _ in range(5):
-            try:
-                nodes = list(self._nodes.values())
-            except RuntimeError:  # the engine thread changed the dict mid-copy
-                continue
-            return [n.hash for n in nodes if n.hash is not None and n.indexed and n.depth < max_depth]
-        return []
+        """Chain hashes of every indexed full chunk above ``max_depth``. Call it on the thread that owns the
+        cache: other threads read `AsyncEngine.cached_hashes()`, the snapshot the engine thread publishes."""
+        return [n.hash for n in self._nodes.values() if n.hash is not None and n.indexed and n.depth < max_depth]
 
     def drain_events(self) -> list[CacheEvent]:
         out, self.events = self.events, []
