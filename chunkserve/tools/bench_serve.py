@@ -234,8 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {json_path}", end="")
     if not args.no_plot:
         png = Path(args.plot) if args.plot else json_path.with_suffix(".png")
-        report.plot(results, png)
-        print(f" and {png}", end="")
+        try:
+            report.plot(results, png)
+            print(f" and {png}", end="")
+        except ImportError:
+            print("; no plot: matplotlib is not installed (pip install 'chunkserve[loadtest]')", end="")
     print()
     return 1 if failed or any(r.get("failed") for ep in results["endpoints"].values()
                               for r in ep["runs"].values()) else 0
