@@ -1,2 +1,3 @@
-"""Tools that run beside a server rather than inside it: `chunkserve bench serve` (`bench_serve`), a serving
-benchmark for any OpenAI-compatible endpoint. Torch-free: nothing here imports torch or the model."""
+"""Commands that drive the system from outside (`chunkserve up`, the benchmarks, the load test, the demo).
+The serving benchmark, `chunkserve bench serve` (`bench_serve` with `workload`, `client`, `procs` and
+`report`), is torch-free: it never imports torch or the model, so it can run beside any server."""
