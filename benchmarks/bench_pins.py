@@ -105,7 +105,7 @@ def up_mode(pool_chunks: int, workers: int, port: int) -> None:
             time.sleep(2)
         for pinned in (True, False):
             system = text(770)  # about 4,150 tokens (SmolLM2 splits digits: ~5.4 tokens a word)
-            mark = {"cache_control": {"type": "ephemeral", "ttl": "5m"}} if pinned else {}
+            mark = {"cache_control": {"type": "ephemeral", "ttl": "1h"}} if pinned else {}  # the flood outlasts 5 min here
             first = chat("acme", [{"role": "system", "content": system, **mark}, {"role": "user", "content": "q1"}])
             flood = 0
             while flood < 5 * workers * pool_chunks * 64:
