@@ -86,8 +86,12 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, dict[str, floa
     return out, workers
 
 
-def scrape(base_url: str, timeout: float = 5.0) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout) as resp:
+def scrape(base_url: str, timeout: float = 5.0, api_key: str | None = None
+           ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The server's /metrics, parsed; ``api_key``: an admin key (tenant mode refuses /metrics without one)."""
+    req = urllib.request.Request(base_url.rstrip("/") + "/metrics",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         return parse_metrics(resp.read().decode("utf-8", "replace"))
 
 
@@ -145,13 +149,14 @@ class MetricsSampler:
     """Samples every ``interval_s`` in a daemon thread until ``stop()``."""
 
     def __init__(self, base_url: str, interval_s: float = 2.0, workers: RayWorkers | None = None,
-                 rss: Callable[[], dict[str, float]] | None = None) -> None:
+                 rss: Callable[[], dict[str, float]] | None = None, api_key: str | None = None) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
         self.base_url = base_url
         self.interval_s = interval_s
         self.workers = workers
         self.rss = rss
+        self.api_key = api_key  # admin key for /metrics in tenant mode
         self.samples: list[Sample] = []
         self._t0 = time.monotonic()
         self._stop = threading.Event()
@@ -170,7 +175,7 @@ class MetricsSampler:
         """Takes one sample now (also used directly around the run)."""
         s = Sample(t=self.now())
         try:
-            vals, s.workers = scrape(self.base_url)
+            vals, s.workers = scrape(self.base_url, api_key=self.api_key)
             for k, v in vals.items():
                 setattr(s, k, v)
         except Exception as e:

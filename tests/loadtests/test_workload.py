@@ -114,3 +114,16 @@ def test_parse_metrics_sums_tenants_and_reads_worker_series() -> None:
     totals, workers = parse_metrics(text)
     assert totals["cache_hits"] == 12.0
     assert workers == {"w1": {"kv_chunks_used": 12.0}}
+
+
+def test_generated_tenants_file_carries_an_admin_key_for_metrics(tmp_path) -> None:
+    """Tenant mode refuses /metrics to tenants' keys: the load test's sampler reads it with its own admin key."""
+    from chunkserve.router.tenants import load_tenants
+    from chunkserve.tools.loadtest import Endpoints, admin_key, write_tenants
+
+    tenants_path, keys_path = write_tenants(tmp_path, 3)
+    reg = load_tenants(str(tenants_path))
+    admin = admin_key(Endpoints("http://x", "x:1", str(keys_path), local=True))
+    assert admin is not None and reg.is_admin(f"Bearer {admin}")
+    keys = json.loads(keys_path.read_text())
+    assert len(keys) == 3 and not any(reg.is_admin(f"Bearer {k}") for k in keys.values())
