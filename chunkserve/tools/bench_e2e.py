@@ -207,22 +207,29 @@ def interleaved_decode(loaded: LoadedModel, b: int, n_p: int, n_s: int, chunk: i
     """Median decode step time of TPP and paged (and HF StaticCache) on the same prompts, steps alternated.
 
     Every system prefills first; then one decode step of each in turn, so all see the same load
-    (for a noisy shared machine, where back-to-back runs see different load)."""
+    (for a noisy shared machine, where back-to-back runs see different load). Every measured step
+    runs all b rows: requests that finished prefill early keep decoding (max_tokens covers the
+    prefill phase), and a step with fewer rows is an error, not a figure."""
     prompts = make_prompts(b, n_p, n_s, loaded.config.vocab_size, 3)
-    n_c = steps + 2
+    cfg = engine_config(loaded, prompts, steps + 2, True, chunk, threads)
+    n_c = steps + 2 + -(-b * n_p // cfg.max_num_batched_tokens) + b  # decode steps while others still prefill
     stepper: dict[str, Any] = {}
+    cores: dict[str, EngineCore] = {}
     for name, share in (("tpp", True), ("paged", False)):
         core = EngineCore(engine_config(loaded, prompts, n_c, share, chunk, threads), loaded=loaded)
         for i, p in enumerate(prompts):
             core.add_request(str(i), p, SamplingParams(max_tokens=n_c, temperature=0.0, ignore_eos=True))
         while core.scheduler.waiting or any(r.prefilling or not r.output for r in core.scheduler.running):
             core.step()
-        stepper[name] = core.step
+        stepper[name], cores[name] = core.step, core
     if hf:
-        stepper["hf_static"] = HFStaticStepper(prompts, n_c, loaded.model.dtype).step
+        stepper["hf_static"] = HFStaticStepper(prompts, steps + 2, loaded.model.dtype).step
     times: dict[str, list[float]] = {k: [] for k in stepper}
     for _ in range(steps):
         for name, step in stepper.items():
+            if name in cores and len(cores[name].scheduler.running) != b:
+                raise RuntimeError(f"{name}: {len(cores[name].scheduler.running)} of {b} rows running; "
+                                   "the step times would not compare like with like")
             t0 = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t0)
