@@ -249,9 +249,6 @@ async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[
         yield sse(e.body())
         yield sse("[DONE]")
         return
-    if last is None or last.finish_reason in (None, "abort"):
-        err = ingress.unavailable("the engine ended the request before it finished", code="engine_aborted")
-        if not sent:
     except Exception:  # a bug, not the client's input: still a clean end of the stream
         if not sent:
             raise
@@ -259,6 +256,9 @@ async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[
         yield sse(error_body("internal server error", "server_error"))
         yield sse("[DONE]")
         return
+    if last is None or last.finish_reason in (None, "abort"):
+        err = ingress.unavailable("the engine ended the request before it finished", code="engine_aborted")
+        if not sent:
             raise err
         yield sse(err.body())
     elif prep.include_usage:
