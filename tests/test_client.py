@@ -17,7 +17,7 @@ MODEL = "tiny-client"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LocalServer]:
-    reg = TenantRegistry(parse_tenants({"tenants": [
+    reg = TenantRegistry(parse_tenants({"admin_api_key_sha256": [hash_api_key("sk-admin")], "tenants": [
         {"id": "acme", "api_key_sha256": [hash_api_key("sk-acme")]},
         {"id": "slow", "api_key_sha256": [hash_api_key("sk-slow")],
          "rate_limit": {"requests_per_second": 0.05, "burst_requests": 1}},
@@ -42,7 +42,11 @@ def test_http_client_chat_and_completion_with_and_without_streaming(server):
     comp = c.complete("Once upon", max_tokens=3, temperature=0)
     streamed = list(c.complete("Once upon", stream=True, max_tokens=3, temperature=0))
     assert "".join(p["choices"][0]["text"] for p in streamed if p["choices"]) == comp["choices"][0]["text"]
-    assert "chunkserve:e2e_request_latency_seconds" in c.metrics()
+    # tenant mode: /metrics takes the admin key, never a tenant's
+    assert "chunkserve:e2e_request_latency_seconds" in HTTPClient(server.http_url, api_key="sk-admin").metrics()
+    with pytest.raises(ChunkServeError) as ei:
+        c.metrics()
+    assert ei.value.status == 403
 
 
 def test_http_client_raises_errors_with_status_and_retry_after(server):

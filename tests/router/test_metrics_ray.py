@@ -47,7 +47,10 @@ def app(redis_server: RedisServer) -> Iterator[tuple[str, str]]:
                  runtime_env={"env_vars": {"CHUNKSERVE_REDIS_URL": redis_server.url}})
     try:
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port))
+        # one ingress replica: its own per-tenant counters are per replica (the worker and cluster
+        # series below are not), and this test checks them against the whole request count
         cfg = AppConfig(model="random:tiny", model_name=MODEL, workers=2, redis_url=redis_server.url,
+                        ingress_replicas=1,
                         engine={"chunk_size": 16, "num_kv_chunks": 64, "max_model_len": 256})
         serve.run(build_app(cfg), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{metrics_port}/metrics"
