@@ -108,8 +108,11 @@ class PrefixAwareRouter(RequestRouter):
         pressure (``record_routing_stats`` reports ``num_requests_waiting`` about once a second)."""
         wid = r.replica_id.unique_id
         cached = self.replica_queue_len_cache.get(r.replica_id)
-        waiting = _stat(r, "num_requests_waiting")
-        return ReplicaLoad(wid, max(self._local_load[wid], cached or 0) + waiting, r.max_ongoing_requests)
+        ongoing = max(self._local_load[wid], cached or 0)
+        # the waiting queue is a subset of the ongoing requests: a report up to a period old must not
+        # weigh on a replica whose queue has drained since (it would repel traffic for that long)
+        waiting = min(_stat(r, "num_requests_waiting"), ongoing)
+        return ReplicaLoad(wid, ongoing + waiting, r.max_ongoing_requests)
 
     def _reserve(self, req_id: str, wid: str) -> None:
         self._release(req_id)

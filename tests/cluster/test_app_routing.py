@@ -95,12 +95,12 @@ def _deploy(name: str, route: str, router: str | None, redis_url: str, tenants: 
 
 
 def _worker_stats(app: str) -> dict[str, dict[str, Any]]:
-    """Engine stats of every worker replica of ``app`` (calls without a chain rotate over idle replicas)."""
+    """Engine stats of every worker replica of ``app`` (calls without a chain go to the least loaded replica)."""
     handle = serve.get_deployment_handle("Worker", app_name=app)
     out: dict[str, dict[str, Any]] = {}
-    for _ in range(20):
-        st = handle.stats.remote().result(timeout_s=30)
-        out[st["worker_id"]] = st
+    for _ in range(20):  # two calls in flight at once: the second sees the first's load and goes elsewhere
+        for st in [resp.result(timeout_s=30) for resp in [handle.stats.remote() for _ in range(2)]]:
+            out[st["worker_id"]] = st
         if len(out) == 2:
             break
     assert len(out) == 2, f"found workers {sorted(out)}"

@@ -39,3 +39,11 @@ def test_with_equal_ongoing_a_cold_request_goes_to_the_worker_without_a_waiting_
     policy = PrefixPolicy(PolicyConfig())
     picks = Counter(policy.decide(loads, [], {}).replica_id for _ in range(10))
     assert picks["b"] == 10
+
+
+def test_a_stale_waiting_report_does_not_weigh_on_a_replica_whose_queue_has_drained():
+    """Routing stats arrive about once a second: 13 waiting reported just before the queue drained must
+    not keep repelling requests from a replica that now has nothing in flight (or only 1)."""
+    idle = PrefixAwareRouter._load(_router({"a": 0}), _replica("a", {"num_requests_waiting": 13}))  # type: ignore[arg-type]
+    one = PrefixAwareRouter._load(_router({"a": 1}), _replica("a", {"num_requests_waiting": 13}))  # type: ignore[arg-type]
+    assert (idle.ongoing, one.ongoing) == (0, 2)
