@@ -20,6 +20,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,34 +58,42 @@ def _compiler() -> str | None:
     return None
 
 
-def build(force: bool = False) -> Path:
-    """Compile the kernel for this CPU (or reuse the cached build); returns the library's path.
+def build_extension(stem: str, sources: Sequence[Path], force: bool = False) -> Path:
+    """Compile ``sources`` (C++, plain C ABI) into one shared library for this CPU, or reuse the cached build.
 
-    Raises RuntimeError when no compiler is found or the build fails.
+    The cache key covers the sources, the headers beside them, the compiler, the flags and the CPU's
+    model and ISA flags; the library lands atomically, so concurrent builders (several workers) each see
+    a whole file. Raises RuntimeError when no compiler is found or the build fails.
     """
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    texts = [p.read_text() for p in (*SOURCES, *sorted(CSRC.glob("*.h")))]
+    headers = sorted({h for src in sources for h in src.parent.glob("*.h")})
+    texts = [p.read_text() for p in (*sources, *headers)]
     key = hashlib.sha256("\0".join([*texts, version, " ".join(FLAGS), _cpu_signature()])
                          .encode()).hexdigest()[:16]
-    out = _cache_dir() / f"decode_cpu_{key}.so"
+    out = _cache_dir() / f"{stem}_{key}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+        res = subprocess.run([cxx, *FLAGS, *map(str, sources), "-o", tmp], capture_output=True, text=True,
                              timeout=300)
         if res.returncode != 0:
-            raise RuntimeError(f"building {CSRC.name}/*.cpp failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp, out)  # atomic: concurrent builders (several workers) each land a whole file
+            raise RuntimeError(f"building {', '.join(s.name for s in sources)} failed:\n{res.stderr[-2000:]}")
+        os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def build(force: bool = False) -> Path:
+    """Compile the decode kernels for this CPU (or reuse the cached build); returns the library's path."""
+    return build_extension("decode_cpu", SOURCES, force)
 
 
 class CpuDecodeKernel:

@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
 import subprocess
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from chunkserve import env
+from chunkserve.kernels.cpu_kernel import build_extension
 from chunkserve.workers.linear import LinearFn
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "qmatmul.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 BLOCK = 32
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SERIAL_WORK = 1 << 17  # int8 multiply-adds (M * N * K) below which one thread does the call
@@ -115,37 +112,9 @@ def _check_shape(w: torch.Tensor) -> tuple[int, int]:
     return int(w.shape[0]), int(w.shape[1])
 
 
-def _cache_dir() -> Path:
-    return env.cache_root() / "ext"
-
-
 def build(force: bool = False) -> Path:
     """Compile ``csrc/qmatmul.cpp`` for this CPU (or reuse the cached build); RuntimeError when it cannot."""
-    cxx = env.cxx_compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    try:
-        cpu = "\n".join(sorted({ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                                if ln.startswith(("model name", "flags", "Features"))}))
-    except OSError:
-        cpu = os.uname().machine
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), cpu]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"qmatmul_{key}.so"
-    if out.exists() and not force:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
-        if res.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp, out)  # atomic: concurrent builders each land a whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    return build_extension("qmatmul", (SOURCE,), force)
 
 
 class _CsQWeight(ctypes.Structure):

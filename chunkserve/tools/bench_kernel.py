@@ -27,6 +27,7 @@ import torch
 
 from chunkserve.kernels.api import get_decode_fn
 from chunkserve.kernels.torch_ops import Workspace
+from chunkserve.tools import procs
 from chunkserve.tools.bench_util import Machine, Timer, measure_machine, median_us, method_bytes, roofline_s
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -171,13 +172,7 @@ def format_table(rows: list[dict[str, float]], machine: Machine, args: argparse.
 
 def cpu_model() -> str:
     """The CPU's model name (Linux), else the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return procs.cpu_model() or platform.processor() or platform.machine()
 
 
 def _loadavg() -> str:
