@@ -153,13 +153,17 @@
     st.textContent = (s.cluster_stats_up ? "updated " : "workers' stats unavailable, ") + new Date(s.ts * 1000).toLocaleTimeString();
   }
 
+  let seq = 0; // answers to a superseded refresh (e.g. the keyless one before a key was entered) are dropped
+
   async function refresh() {
+    const my = ++seq;
     const key = sessionStorage.getItem(KEY);
     const headers = key ? { Authorization: "Bearer " + key } : {};
     let delay = 3000;
     try {
       const r = await fetch("/dashboard/api/state", { headers, cache: "no-store" });
       const body = await r.json();
+      if (my !== seq) return;
       if (!r.ok) {
         const st = $("status");
         st.className = "error";
@@ -171,6 +175,7 @@
         delay = 1000 * (body.refresh_s || 3);
       }
     } catch (e) {
+      if (my !== seq) return;
       $("status").className = "error";
       $("status").textContent = "unreachable: " + e;
     }
@@ -180,6 +185,7 @@
   $("auth").addEventListener("submit", (ev) => {
     ev.preventDefault();
     sessionStorage.setItem(KEY, $("key").value);
+    document.body.dataset.state = "pending";
     if (timer) clearTimeout(timer);
     refresh();
   });

@@ -122,6 +122,9 @@ def test_dashboard_draws_the_forest_and_hit_rate_and_refuses_a_tenant_key(cluste
 
             refused = browser.new_page()
             refused.goto(cluster + "/dashboard")
+            # the keyless first refresh is refused (401); entering a key must replace that verdict
+            refused.wait_for_function("document.body.dataset.state === 'refused'", timeout=15_000)
+            assert "401" in refused.locator("#status").inner_text()
             refused.fill("#key", "sk-acme")
             refused.click("#auth button")
             refused.wait_for_function("document.body.dataset.state === 'refused'", timeout=15_000)
