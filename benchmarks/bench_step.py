@@ -9,7 +9,8 @@ all b rows. Timers wrap the engine's hook points (a few hundred calls per step, 
 scheduler.schedule, model.forward, the bound matmuls of the layers, the per-layer `StepAttention`
 call and its attention kernels (`_prefill`/`_decode`), model.compute_logits, sampler.sample.
 
-Categories, ms per step: matmul (the layers' linears), lm_head, attn_kernel, kv_write+glue
+Categories, ms per step: matmul (the layers' linears), lm_head, attn_kernel (with the fused CPU
+decode layer, `kernels/cpu_layer.py`, its one call, K/V writes included), kv_write+glue
 (`StepAttention` minus the kernels: K/V scatter into the pool, dispatch), layer_other (embedding,
 norms, RoPE, residual adds, SwiGLU, the Python of the layer loop), schedule, sample, rest (runner
 glue, detokenise, bookkeeping). "overhead %" = everything but matmul, lm_head and attn_kernel, as a
@@ -93,6 +94,10 @@ def instrumented(core: EngineCore, timers: Timers) -> Iterator[None]:
         setattr(cls, m, timers.wrap("step_attention" if m == "__call__" else "attn_kernel", fn))
     for n, fn in saved_mod.items():
         setattr(runner_mod, n, timers.wrap("attn_kernel", fn))
+    fused_cls = getattr(runner_mod, "FusedDecodeLayer", None)  # the one-call CPU layer (K/V writes inside)
+    if fused_cls is not None:
+        saved_methods_fused = fused_cls.__call__
+        fused_cls.__call__ = timers.wrap("attn_kernel", saved_methods_fused)
     patched = {"schedule": (core.scheduler, "schedule"), "forward": (model, "forward"),
                "lm_head": (model, "compute_logits"), "sample": (core.sampler, "sample")}
     for name, (obj, attr) in patched.items():
@@ -118,6 +123,8 @@ def instrumented(core: EngineCore, timers: Timers) -> Iterator[None]:
             setattr(cls, m, fn)
         for n, fn in saved_mod.items():
             setattr(runner_mod, n, fn)
+        if fused_cls is not None:
+            fused_cls.__call__ = saved_methods_fused
 
 
 def start_decoding(core: EngineCore, batch: int, gen_tokens: int, tag: str) -> None:

@@ -102,7 +102,7 @@ class CpuDecodeKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        if lib.cs_abi_version() != 1:
+        if lib.cs_abi_version() != 2:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -115,6 +115,10 @@ class CpuDecodeKernel:
                          ctypes.c_int]
         runs.restype = ctypes.c_int
         self._runs = runs
+        layer = lib.cs_decode_layer
+        layer.argtypes = [ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr]
+        layer.restype = ctypes.c_int
+        self.decode_layer = layer  # see `cpu_layer.py`
         self.vector_width = int(lib.cs_vector_width())
 
     @staticmethod
@@ -151,15 +155,7 @@ class CpuDecodeKernel:
         p = table.shape[1]
         qs = ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device)
         torch.mul(q4, scale, out=qs)  # [b, Hkv, g, D], pre-scaled
-        threads = torch.get_num_threads()
-        if b * hkv * p * c * d < SERIAL_ELEMENTS:  # too little work to pay for waking (or waiting on) threads
-            threads = 1
-        # split long rows when rows x heads alone cannot keep every thread busy (flash-decoding)
-        nsplit, cps = 1, max(p, 1)
-        if b * hkv < 4 * threads and p > 1:
-            want = -(-4 * threads // (b * hkv))
-            cps = max(-(-p // want), -(-MIN_SPLIT_TOKENS // c))
-            nsplit = -(-p // cps)
+        threads, cps, nsplit = launch_params(b, hkv, d, c, p)
         so = slse = None
         if nsplit > 1:
             so = ws.take("cpuk_so", (b, hkv, nsplit, g, d), torch.float32, q4.device)
@@ -171,6 +167,20 @@ class CpuDecodeKernel:
                       None if lse is None else lse.data_ptr(), threads)
         if rc != 0:
             raise RuntimeError(f"cs_decode_attention failed with code {rc} (b={b} Hkv={hkv} g={g} D={d} c={c})")
+
+
+def launch_params(b: int, hkv: int, d: int, c: int, p: int) -> tuple[int, int, int]:
+    """(threads, chunk positions per split, splits per row) of a per-row call over a [b, p] chunk table."""
+    threads = torch.get_num_threads()
+    if b * hkv * p * c * d < SERIAL_ELEMENTS:  # too little work to pay for waking (or waiting on) threads
+        threads = 1
+    # split long rows when rows x heads alone cannot keep every thread busy (flash-decoding)
+    nsplit, cps = 1, max(p, 1)
+    if b * hkv < 4 * threads and p > 1:
+        want = -(-4 * threads // (b * hkv))
+        cps = max(-(-p // want), -(-MIN_SPLIT_TOKENS // c))
+        nsplit = -(-p // cps)
+    return threads, cps, nsplit
 
 
 @dataclass(frozen=True)

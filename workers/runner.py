@@ -2,7 +2,8 @@
 
 Rows are laid out as [prefill pieces..., decode rows in tree order]. The per-layer attention
 (`StepAttention`) first scatters the step's new K/V into their pool slots, then runs prefill
-attention over each piece's cached prefix and TPP decode attention over the decode rows.
+attention over each piece's cached prefix and TPP decode attention over the decode rows. On CPUs a
+decode-only step with nothing shared does both in one kernel call per layer (`kernels/cpu_layer.py`).
 Everything that is the same for all layers (slot indices, prefill tables, the decode context) is
 built once per step in host memory and reaches the device in the step's one copy (`Staging`); the
 step reads nothing back from the device. The decode kernels reuse one scratch `Workspace` across
@@ -19,6 +20,7 @@ import torch
 
 from chunkserve.kernels.api import DecodeFn, check_decode_inputs, get_decode_fn, resolve_backend
 from chunkserve.kernels.context import ChunkContext
+from chunkserve.kernels.cpu_layer import FusedDecodeLayer
 from chunkserve.kernels.prefill import PrefillTables, prefill_step
 from chunkserve.kernels.torch_ops import Workspace
 from chunkserve.workers.kvcache import PrefixKVCache
@@ -125,6 +127,19 @@ class StepAttention:
         self.num_prefill = inputs.num_prefill
         self.ctx: ChunkContext | None = inputs.ctx
         self.prefill_tables = inputs.prefill
+        # decode-only steps with nothing shared, on CPUs: K/V writes + attention in one call per layer
+        # (decided on layer 0; False = not this step)
+        self._fused: FusedDecodeLayer | bool | None = None
+
+    def _fuse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kp: torch.Tensor,
+              vp: torch.Tensor) -> FusedDecodeLayer | bool:
+        self._fused = False
+        if (self.num_prefill == 0 and self.ctx is not None and not self.cache.pending_copies
+                and self.decode_backend in ("auto", "torch") and kp.device.type == "cpu"):
+            check_decode_inputs(q, kp, vp, self.ctx.batch_size)
+            self._fused = FusedDecodeLayer.build(q, k, v, kp, vp, self.ctx, self.slots, self.write_rows,
+                                                 self.scale, self.workspace or Workspace()) or False
+        return self._fused
 
     def _prefill(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
         assert self.prefill_tables is not None
@@ -143,6 +158,9 @@ class StepAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D], k, v: [T, Hkv, D] -> o: [T, Hq, D]
         kp, vp = self.pools.k[layer], self.pools.v[layer]  # [Hkv, N, c, D] (contiguous)
+        fused = self._fused if layer else self._fuse(q, k, v, kp, vp)
+        if fused:
+            return fused(q, k, v, kp, vp)  # type: ignore[operator]
         # the same scatter as `cache.write`, as one index_copy_ per pool on the flat slot index
         if self.write_rows is not None:
             k, v = k.index_select(0, self.write_rows), v.index_select(0, self.write_rows)

@@ -203,11 +203,100 @@ void run(const Args& a, int nthreads) {
   }
 }
 
+
+// --- one fused decode layer (nothing shared): K/V writes, scaled q, attention, output in the act dtype ---
+
+inline uint16_t f_to_bf16(float f) {  // round to nearest even, NaN stays NaN (torch's .to(bfloat16))
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float load_act(const void* p, int64_t dtype, int64_t i) {
+  return dtype == 0 ? static_cast<const float*>(p)[i] : to_f(static_cast<const Bf16*>(p)[i]);
+}
+
+// d values from an activation row (dtype 0 fp32, 1 bf16) into a pool row (0 fp32, 1 bf16, 2 fp16).
+void put_row(const void* src, int64_t sdtype, int64_t soff, void* dst, int64_t ddtype, int64_t doff, int64_t d) {
+  if (sdtype == ddtype) {
+    const size_t size = sdtype == 0 ? 4 : 2;
+    std::memcpy(static_cast<char*>(dst) + doff * size, static_cast<const char*>(src) + soff * size, d * size);
+    return;
+  }
+  for (int64_t j = 0; j < d; ++j) {
+    const float x = load_act(src, sdtype, soff + j);
+    if (ddtype == 0) {
+      static_cast<float*>(dst)[doff + j] = x;
+    } else if (ddtype == 1) {
+      static_cast<uint16_t*>(dst)[doff + j] = f_to_bf16(x);
+    } else {
+      static_cast<_Float16*>(dst)[doff + j] = static_cast<_Float16>(x);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-int cs_abi_version() { return 1; }
+// The per-step constant half of `cs_decode_layer` (every integer field int64, so the ctypes mirror is plain).
+struct CsLayerPlan {
+  int64_t act_dtype;   // q, k, v rows and out: 0 fp32, 1 bf16
+  int64_t pool_dtype;  // 0 fp32, 1 bf16, 2 fp16
+  int64_t hs, cs;      // pool head and chunk strides (elements); token stride d
+  const int32_t* table;
+  const int32_t* tokens;  // [b, P]
+  int64_t b, hkv, g, d, c, P, cps, nsplit;
+  float* so;
+  float* slse;         // split scratch (nsplit > 1)
+  float* qbuf;         // [b, hkv, g, d] scratch: q * scale in fp32
+  float* obuf;         // [b, hkv, g, d] scratch: fp32 output (act_dtype bf16)
+  double scale;
+  int64_t nthreads;
+  int64_t nwrite;
+  const int64_t* slots;       // [nwrite] flat slot (chunk * c + token) of each written row
+  const int64_t* write_rows;  // [nwrite] source row of each write, or null (row t)
+};
+
+// q: [b, hkv*g, d] rows of stride ldq; k, v: [>= rows, hkv, d] rows of stride ldk / ldv (head stride d);
+// pools [hkv, N, c, d]; out: [b, hkv*g, d] contiguous in act_dtype. Writes first, so a row sees its own key.
+int cs_decode_layer(const CsLayerPlan* p, const void* q, int64_t ldq, const void* k, int64_t ldk, const void* v,
+                    int64_t ldv, void* kpool, void* vpool, void* out) {
+  if (p->g < 1 || p->g > kMaxG || p->c < 1 || p->c > kMaxC || p->d < 1 || p->d > kMaxD || p->cps < 1 ||
+      p->nsplit < 1 || p->act_dtype < 0 || p->act_dtype > 1 || p->pool_dtype < 0 || p->pool_dtype > 2 ||
+      p->cs != p->c * p->d)
+    return -1;
+  if (p->nsplit > 1 && (p->so == nullptr || p->slse == nullptr)) return -2;
+  const int64_t hkv = p->hkv, g = p->g, d = p->d;
+  for (int64_t t = 0; t < p->nwrite; ++t) {
+    const int64_t row = p->write_rows != nullptr ? p->write_rows[t] : t;
+    for (int64_t h = 0; h < hkv; ++h) {
+      const int64_t dst = h * p->hs + p->slots[t] * d;
+      put_row(k, p->act_dtype, row * ldk + h * d, kpool, p->pool_dtype, dst, d);
+      put_row(v, p->act_dtype, row * ldv + h * d, vpool, p->pool_dtype, dst, d);
+    }
+  }
+  const float scale = static_cast<float>(p->scale);
+  for (int64_t r = 0; r < p->b; ++r)
+    for (int64_t j = 0; j < hkv * g * d; ++j) p->qbuf[r * hkv * g * d + j] = load_act(q, p->act_dtype, r * ldq + j) * scale;
+  float* o = p->act_dtype == 0 ? static_cast<float*>(out) : p->obuf;
+  const Args a{p->qbuf, kpool, vpool, p->hs, p->cs, p->table, p->tokens, p->b, hkv, g, d, p->c, p->P, p->cps,
+               p->nsplit, p->so, p->slse, o, nullptr};
+  const int nthreads = p->nthreads < 1 ? 1 : static_cast<int>(p->nthreads);
+  switch (p->pool_dtype) {
+    case 0: run<float>(a, nthreads); break;
+    case 1: run<Bf16>(a, nthreads); break;
+    default: run<_Float16>(a, nthreads); break;
+  }
+  if (p->act_dtype == 1) {
+    uint16_t* ob = static_cast<uint16_t*>(out);
+    for (int64_t i = 0; i < p->b * hkv * g * d; ++i) ob[i] = f_to_bf16(o[i]);
+  }
+  return 0;
+}
+
+int cs_abi_version() { return 2; }
 
 // dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or a negative code for unsupported shapes.
 int cs_decode_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,

@@ -1,0 +1,128 @@
+"""A decode layer in one foreign call on CPUs when nothing is shared (``csrc/decode_cpu.cpp: cs_decode_layer``).
+
+A decode step whose context has no shared run is, per layer: write every row's new K/V into its pool
+slot, then attend each row over its own table of chunks (the in-place kernel). Through torch that is
+about a dozen aten ops and a ctypes call with 21 arguments per layer, some 80 us of Python per layer
+on a 2-core EPYC: more than the attention itself at short contexts, and a fifth of a batch-1 int4
+step. Here the step's constant half (chunk tables, slots, launch parameters, scratch) is prepared once
+per step in a ctypes struct; each layer is then one call with ten arguments that writes K/V, scales q,
+runs the kernel and writes the output in the activations' dtype. The results are the same sums in the
+same order as the unfused path (`tpp_decode_torch` with no runs): bitwise equal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from chunkserve.kernels.context import ChunkContext
+from chunkserve.kernels.cpu_kernel import (
+    DTYPE_CODES,
+    MAX_CHUNK,
+    MAX_GROUP,
+    MAX_HEAD_DIM,
+    CpuDecodeKernel,
+    launch_params,
+    load_cpu_kernel,
+)
+from chunkserve.kernels.torch_ops import Workspace
+
+ACT_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class _Plan(ctypes.Structure):
+    """Mirror of ``CsLayerPlan`` in ``csrc/decode_cpu.cpp``."""
+
+    _fields_ = [("act_dtype", ctypes.c_int64), ("pool_dtype", ctypes.c_int64), ("hs", ctypes.c_int64),
+                ("cs", ctypes.c_int64), ("table", ctypes.c_void_p), ("tokens", ctypes.c_void_p),
+                *[(n, ctypes.c_int64) for n in ("b", "hkv", "g", "d", "c", "P", "cps", "nsplit")],
+                ("so", ctypes.c_void_p), ("slse", ctypes.c_void_p), ("qbuf", ctypes.c_void_p),
+                ("obuf", ctypes.c_void_p), ("scale", ctypes.c_double), ("nthreads", ctypes.c_int64),
+                ("nwrite", ctypes.c_int64), ("slots", ctypes.c_void_p), ("write_rows", ctypes.c_void_p)]
+
+
+def _heads_contiguous(t: torch.Tensor, d: int) -> bool:
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == d
+
+
+def private_table(ctx: ChunkContext, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's chunk ids and valid tokens as dense int32 [b, P] tables, memoised per step."""
+    key = ("cpu_layer_table", id(ctx))
+    hit = ws.memo.get(key)
+    if hit is None or hit[0] is not ctx:  # type: ignore[index]
+        from chunkserve.kernels.tpp_torch import private_table as build
+
+        table, tokens, _counts = build(ctx)
+        hit = (ctx, (table.to(torch.int32).contiguous(), tokens.to(torch.int32).contiguous()))
+        ws.remember(key, hit)
+    return hit[1]  # type: ignore[index]
+
+
+class FusedDecodeLayer:
+    """One step's fused decode layer; call it per layer as ``(q, k, v, k_pool_l, v_pool_l) -> o``.
+
+    q: [b, Hq, D], k, v: [T, Hkv, D] (fp32 or bf16, rows of any stride, heads contiguous); pools
+    [Hkv, N, c, D]; o: [b, Hq, D] new, q's dtype. Every layer of the step must have layer 0's shapes,
+    dtypes and strides (the model's layers do).
+    """
+
+    def __init__(self, kern: CpuDecodeKernel, plan: _Plan, keep: tuple[torch.Tensor, ...], shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        self._fn = kern.decode_layer
+        self._plan = plan
+        self._plan_ref = ctypes.byref(plan)
+        self._keep = keep  # the tensors the plan points into
+        self._shape, self._dtype = shape, dtype
+
+    @staticmethod
+    def build(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor,
+              ctx: ChunkContext, slots: torch.Tensor, write_rows: torch.Tensor | None, scale: float,
+              ws: Workspace) -> FusedDecodeLayer | None:
+        """The fused layer for this step, or None when the call is not of the form it serves."""
+        if ctx.num_runs != 0 or q.device.type != "cpu" or k_pool_l.device.type != "cpu":
+            return None
+        kern = load_cpu_kernel()
+        if kern is None:
+            return None
+        hkv, _n, c, d = k_pool_l.shape
+        b, hq = q.shape[0], q.shape[1]
+        g = hq // hkv
+        if (q.dtype not in ACT_CODES or k.dtype != q.dtype or v.dtype != q.dtype or k_pool_l.dtype not in DTYPE_CODES
+                or v_pool_l.dtype != k_pool_l.dtype or k_pool_l.stride() != v_pool_l.stride()
+                or g * hkv != hq or g > MAX_GROUP or c > MAX_CHUNK or d > MAX_HEAD_DIM
+                or k_pool_l.stride(3) != 1 or k_pool_l.stride(2) != d or k_pool_l.stride(1) != c * d
+                or not all(_heads_contiguous(t, d) for t in (q, k, v)) or k.shape[1] != hkv or v.shape[1] != hkv
+                or b != ctx.batch_size or slots.dtype != torch.int64 or not slots.is_contiguous()):
+            return None
+        nwrite = slots.shape[0]
+        if write_rows is not None:
+            if write_rows.dtype != torch.int64 or not write_rows.is_contiguous() or write_rows.shape[0] != nwrite:
+                return None
+        elif nwrite > k.shape[0]:
+            return None
+        table, tokens = private_table(ctx, ws)
+        p = table.shape[1]
+        threads, cps, nsplit = launch_params(b, hkv, d, c, p)
+        f32, dev = torch.float32, q.device
+        qbuf = ws.take("cpul_q", (b, hkv, g, d), f32, dev)
+        obuf = ws.take("cpul_o", (b, hkv, g, d), f32, dev)
+        so = ws.take("cpul_so", (b, hkv, nsplit, g, d), f32, dev) if nsplit > 1 else None
+        slse = ws.take("cpul_slse", (b, hkv, nsplit, g), f32, dev) if nsplit > 1 else None
+        plan = _Plan(act_dtype=ACT_CODES[q.dtype], pool_dtype=DTYPE_CODES[k_pool_l.dtype], hs=k_pool_l.stride(0),
+                     cs=k_pool_l.stride(1), table=table.data_ptr(), tokens=tokens.data_ptr(), b=b, hkv=hkv, g=g,
+                     d=d, c=c, P=p, cps=cps, nsplit=nsplit, so=None if so is None else so.data_ptr(),
+                     slse=None if slse is None else slse.data_ptr(), qbuf=qbuf.data_ptr(), obuf=obuf.data_ptr(),
+                     scale=scale, nthreads=threads, nwrite=nwrite, slots=slots.data_ptr(),
+                     write_rows=None if write_rows is None else write_rows.data_ptr())
+        keep = tuple(t for t in (table, tokens, qbuf, obuf, so, slse, slots, write_rows) if t is not None)
+        return FusedDecodeLayer(kern, plan, keep, (b, hq, d), q.dtype)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool_l: torch.Tensor,
+                 v_pool_l: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self._shape, dtype=self._dtype)  # [b, Hq, D]
+        rc = self._fn(self._plan_ref, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                      v.stride(0), k_pool_l.data_ptr(), v_pool_l.data_ptr(), out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"cs_decode_layer failed with code {rc}")
+        return out

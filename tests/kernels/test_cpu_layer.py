@@ -1,0 +1,107 @@
+"""The fused CPU decode layer (``cs_decode_layer``): K/V writes + attention in one call must give exactly
+what the unfused path gives (index_copy_ into the pool, then ``tpp_decode_torch``), for every activation /
+pool dtype pair, strided q/k/v views, a write-row map, splits and threads; it must refuse shared runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chunkserve.kernels import cpu_kernel
+from chunkserve.kernels.cpu_layer import FusedDecodeLayer
+from chunkserve.kernels.testing import context_from_paths
+from chunkserve.kernels.torch_ops import Workspace
+from chunkserve.kernels.tpp_torch import tpp_decode_torch
+
+pytestmark = pytest.mark.skipif(cpu_kernel.load_cpu_kernel() is None, reason="no C++ compiler for the CPU kernel")
+
+
+def _setup(act: torch.dtype, pool: torch.dtype, b: int, lens: list[int], hkv: int, g: int, d: int, c: int,
+           seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(-(-ln // c) for ln in lens) + 1
+    k_pool = torch.full((hkv, n, c, d), float("nan"), dtype=pool)
+    v_pool = torch.full((hkv, n, c, d), float("nan"), dtype=pool)
+    paths, slots, nxt = [], [], 1
+    for ln in lens:  # the last token of each row is the one this step writes
+        chunks = []
+        for start in range(0, ln, c):
+            nt = min(c, ln - start)
+            k_pool[:, nxt, : nt] = torch.randn(hkv, nt, d, generator=gen).to(pool)
+            v_pool[:, nxt, : nt] = torch.randn(hkv, nt, d, generator=gen).to(pool)
+            chunks.append((nxt, nt))
+            nxt += 1
+        last, nt = chunks[-1]
+        k_pool[:, last, nt - 1] = float("nan")  # must be overwritten by the step's write
+        v_pool[:, last, nt - 1] = float("nan")
+        slots.append(last * c + nt - 1)
+        paths.append(chunks)
+    ctx = context_from_paths(paths, c)
+    order = ctx.order.tolist()
+    # q, k, v as the model hands them over: views of one [T, Hq + 2 Hkv, D] projection, rows in tree order
+    qkv = torch.randn(b, hkv * g + 2 * hkv, d, generator=gen).to(act)
+    slots_t = torch.tensor([slots[i] for i in order], dtype=torch.int64)
+    return k_pool, v_pool, ctx, qkv, slots_t
+
+
+def _unfused(q, k, v, k_pool, v_pool, ctx, slots, write_rows, scale):
+    hkv, n, c, d = k_pool.shape
+    if write_rows is not None:
+        k, v = k.index_select(0, write_rows), v.index_select(0, write_rows)
+    k_pool.view(hkv, n * c, d).index_copy_(1, slots, k.to(k_pool.dtype).transpose(0, 1))
+    v_pool.view(hkv, n * c, d).index_copy_(1, slots, v.to(v_pool.dtype).transpose(0, 1))
+    return tpp_decode_torch(q, k_pool, v_pool, ctx, scale, inplace=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("act,pool", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                      (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16),
+                                      (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("lens,hkv,g", [([5], 3, 3), ([700], 3, 3), ([1, 64, 65, 130, 7], 2, 4), ([300, 9], 1, 1)])
+def test_fused_layer_equals_index_copy_then_tpp_decode_bitwise(threads, act, pool, lens, hkv, g):
+    """Long single rows take the split (flash-decoding) path with 2 threads; NaN in the written slots and
+    in every free slot proves the write lands before the attention reads and nothing else is read."""
+    d, c, b = 64, 64, len(lens)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        k_pool, v_pool, ctx, qkv, slots = _setup(act, pool, b, lens, hkv, g, d, c, seed=len(lens) * 7 + hkv)
+        q, k, v = qkv[:, : hkv * g], qkv[:, hkv * g: hkv * g + hkv], qkv[:, hkv * g + hkv:]
+        kp2, vp2 = k_pool.clone(), v_pool.clone()
+        want = _unfused(q, k, v, kp2, vp2, ctx, slots, None, 0.125)
+        layer = FusedDecodeLayer.build(q, k, v, k_pool, v_pool, ctx, slots, None, 0.125, Workspace())
+        assert layer is not None
+        got = layer(q, k, v, k_pool, v_pool)
+    finally:
+        torch.set_num_threads(saved)
+    assert got.dtype == act and got.shape == (b, hkv * g, d)
+    assert not got.isnan().any()
+    assert torch.equal(got, want)
+    assert torch.equal(k_pool.nan_to_num(7.0), kp2.nan_to_num(7.0))
+    assert torch.equal(v_pool.nan_to_num(7.0), vp2.nan_to_num(7.0))
+
+
+def test_fused_layer_reads_write_rows_through_the_row_map():
+    """``write_rows`` picks which source rows land in the slots (here reversed; q is untouched by it)."""
+    d, c, hkv, g = 32, 16, 2, 2
+    k_pool, v_pool, ctx, qkv, slots = _setup(torch.float32, torch.float32, 3, [20, 3, 40], hkv, g, d, c, seed=3)
+    q, k, v = qkv[:, : hkv * g], qkv[:, hkv * g: hkv * g + hkv], qkv[:, hkv * g + hkv:]
+    # source rows laid out reversed, with the map undoing it
+    k_src, v_src = k.flip(0).contiguous(), v.flip(0).contiguous()
+    rows = torch.tensor([2, 1, 0], dtype=torch.int64)
+    kp2, vp2 = k_pool.clone(), v_pool.clone()
+    want = _unfused(q, k_src, v_src, kp2, vp2, ctx, slots, rows, 0.2)
+    layer = FusedDecodeLayer.build(q, k_src, v_src, k_pool, v_pool, ctx, slots, rows, 0.2, Workspace())
+    assert layer is not None
+    assert torch.equal(layer(q, k_src, v_src, k_pool, v_pool), want)
+
+
+def test_fused_layer_refuses_a_context_with_shared_runs():
+    d, c, hkv, g = 32, 16, 1, 2
+    k_pool = torch.zeros(hkv, 8, c, d)
+    ctx = context_from_paths([[(1, 16), (2, 4)], [(1, 16), (3, 5)]], c)  # chunk 1 shared by both rows
+    assert ctx.num_runs == 1
+    qkv = torch.zeros(2, hkv * g + 2 * hkv, d)
+    q, k, v = qkv[:, : hkv * g], qkv[:, hkv * g: hkv * g + hkv], qkv[:, hkv * g + hkv:]
+    slots = torch.tensor([2 * c + 3, 3 * c + 4], dtype=torch.int64)
+    assert FusedDecodeLayer.build(q, k, v, k_pool, k_pool.clone(), ctx, slots, None, 1.0, Workspace()) is None
