@@ -112,6 +112,25 @@ def _check_shape(w: torch.Tensor) -> tuple[int, int]:
     return int(w.shape[0]), int(w.shape[1])
 
 
+def pack(w: BlockWeight) -> torch.Tensor:
+    """The kernel's layout of ``w`` (see "Packed weights" in ``csrc/qmatmul.cpp``): uint8 [ceil(N/8), K/32, bytes],
+    groups of 8 rows (zero rows pad N), each block's quants as 4-byte lanes, one lane per row, then the
+    rows' fp16 scales (and Q4_1 minima)."""
+    n, k = w.shape
+    nb, g = k // BLOCK, -(-n // 8)
+
+    def rows8(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [G * 8, ...], zero rows appended
+        return torch.cat((t, t.new_zeros(g * 8 - n, *t.shape[1:]))) if g * 8 != n else t
+
+    if isinstance(w, Q4Weight):
+        q = rows8(w.q).view(g, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 128)  # [G, B, 4 x 8 lanes x 4]
+        tail = [rows8(t).view(g, 8, nb).permute(0, 2, 1).contiguous().view(torch.uint8) for t in (w.d, w.m)]
+    else:
+        q = rows8(w.q).view(torch.uint8).view(g, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 256)
+        tail = [rows8(w.d).view(g, 8, nb).permute(0, 2, 1).contiguous().view(torch.uint8)]
+    return torch.cat([q, *tail], -1).contiguous()  # [G, B, 160] or [G, B, 272]
+
+
 def build(force: bool = False) -> Path:
     """Compile ``csrc/qmatmul.cpp`` for this CPU (or reuse the cached build); RuntimeError when it cannot."""
     return build_extension("qmatmul", (SOURCE,), force)
@@ -120,8 +139,8 @@ def build(force: bool = False) -> Path:
 class _CsQWeight(ctypes.Structure):
     """``CsQWeight`` of the source: the constant arguments of one bound weight."""
 
-    _fields_ = [("wtype", ctypes.c_int32), ("ydtype", ctypes.c_int32), ("wq", ctypes.c_void_p),
-                ("wd", ctypes.c_void_p), ("wm", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+    _fields_ = [("wtype", ctypes.c_int32), ("ydtype", ctypes.c_int32), ("packed", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p),
                 ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("norm_w", ctypes.c_void_p),
                 ("eps", ctypes.c_float), ("glu", ctypes.c_int32)]
 
@@ -131,7 +150,7 @@ class QKernel:
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        if lib.cs_q_abi_version() != 4:
+        if lib.cs_q_abi_version() != 5:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_q_linear
         i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -194,12 +213,12 @@ class _BlockLinear:
         self.n, self.k = w.shape
         self.in_k = 2 * self.k if glu else self.k  # input columns
         is4 = isinstance(w, Q4Weight)
-        self.w, self.bias = w, (None if b is None else b.to(out_dtype).contiguous())
+        self.w = pack(w)  # the kernel's layout (the caller's Q4Weight / Q8Weight can be dropped)
+        self.bias = None if b is None else b.to(out_dtype).contiguous()
         self.norm_w = None if norm is None else norm[0].to(dtype).contiguous()  # [K]
         if self.norm_w is not None and self.norm_w.shape != (self.k,):
             raise ValueError(f"norm weight of shape {tuple(self.norm_w.shape)} for a linear of input size {self.k}")
-        self.args = _CsQWeight(0 if is4 else 1, _DTYPE_CODES[out_dtype], w.q.data_ptr(), w.d.data_ptr(),
-                               w.m.data_ptr() if isinstance(w, Q4Weight) else None,
+        self.args = _CsQWeight(0 if is4 else 1, _DTYPE_CODES[out_dtype], self.w.data_ptr(),
                                None if self.bias is None else self.bias.data_ptr(), self.n, self.k,
                                None if self.norm_w is None else self.norm_w.data_ptr(),
                                0.0 if norm is None else float(norm[1]), int(glu))

@@ -1,0 +1,179 @@
+// Activations for the block-quantised linears (qmatmul.cpp): element conversions, the optional prologue
+// (SwiGLU, RMSNorm) and the per-block int8 quantisation of a row (Q8_1). Vectorised on AVX2; the scalar
+// fallback computes the same quantities.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define CS_Q_AVX2 1
+#else
+#define CS_Q_AVX2 0
+#endif
+
+namespace csq {
+
+constexpr int64_t kBlock = 32;
+
+inline float fp16_to_f(uint16_t h) {
+#if CS_Q_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal
+      float f = std::ldexp(static_cast<float>(man), -24);
+      std::memcpy(&bits, &f, 4);
+      bits |= sign;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline float bf16_to_f(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f_to_bf16(float f) {  // round to nearest even (NaN stays NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float load_x(const void* x, int dtype, int64_t i) {
+  return dtype == 0 ? static_cast<const float*>(x)[i] : bf16_to_f(static_cast<const uint16_t*>(x)[i]);
+}
+
+#if CS_Q_AVX2
+// exp(x) for x <= 0 (inputs below -87 flush to 0), relative error about 2e-7: x = n ln2 + r, exp(r) by a
+// degree-6 polynomial, 2^n through the exponent bits (as kernels/csrc/simd.h).
+inline __m256 vexp_neg(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 dead = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 fl = _mm256_floor_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)));
+  const __m256 r = _mm256_fnmadd_ps(fl, _mm256_set1_ps(-2.12194440e-4f),
+                                    _mm256_fnmadd_ps(fl, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fl), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline __m256 load8(const void* x, int dtype, int64_t i) {
+  if (dtype == 0) return _mm256_loadu_ps(static_cast<const float*>(x) + i);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+#endif
+
+// The row's K inputs in fp32, after the optional prologue: SwiGLU (glu: the row holds 2K values, gate then up;
+// f = silu(gate) * up) and RMSNorm (norm_w: f = f / sqrt(mean(f^2) + eps) * norm_w, statistics in fp32).
+inline void load_row(const void* x, int dtype, int64_t K, bool glu, const void* norm_w, float eps, float* f) {
+  int64_t j = 0;
+#if CS_Q_AVX2
+  if (K % 8 == 0) {  // always: K % 32 == 0
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    __m256 ss = _mm256_setzero_ps();
+    for (; j < K; j += 8) {
+      __m256 v = load8(x, dtype, j);
+      if (glu) {  // silu(g) = g / (1 + e^-g) = g e^g / (1 + e^g): exp of -|g| either way
+        const __m256 e = vexp_neg(_mm256_or_ps(v, sign));
+        const __m256 num = _mm256_blendv_ps(v, _mm256_mul_ps(v, e), v);  // negative lanes: g e^g
+        v = _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), load8(x, dtype, K + j));
+      }
+      ss = _mm256_fmadd_ps(v, v, ss);
+      _mm256_storeu_ps(f + j, v);
+    }
+    if (norm_w != nullptr) {
+      const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(hsum8(ss) / static_cast<float>(K) + eps));
+      for (j = 0; j < K; j += 8)
+        _mm256_storeu_ps(f + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(f + j), inv), load8(norm_w, dtype, j)));
+    }
+    return;
+  }
+#endif
+  for (; j < K; ++j) f[j] = load_x(x, dtype, j);
+  if (glu) {
+    for (j = 0; j < K; ++j) f[j] = f[j] / (1.0f + std::exp(-f[j])) * load_x(x, dtype, K + j);
+  }
+  if (norm_w != nullptr) {
+    float ss = 0.0f;
+    for (j = 0; j < K; ++j) ss += f[j] * f[j];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+    for (j = 0; j < K; ++j) f[j] = f[j] * inv * load_x(norm_w, dtype, j);
+  }
+}
+
+// One row of K fp32 values -> K int8 (plain order), K/32 scales a and K/32 sums s = a * sum(q).
+inline void quantize_row(const float* f, int64_t K, int8_t* q, float* a, float* s) {
+  const int64_t nb = K / kBlock;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* buf = f + b * kBlock;
+#if CS_Q_AVX2
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(buf + 8 * i);
+      mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    __m256i iv[4];  // round half to even, as nearbyint in the default rounding mode
+    for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    const __m256i p16 = _mm256_packs_epi32(iv[0], iv[1]), p16b = _mm256_packs_epi32(iv[2], iv[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, p16b),
+                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), p8);
+    a[b] = d;
+    s[b] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+#else
+    float amax = 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(buf[j]));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(buf[j] * inv));
+      q[b * kBlock + j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    a[b] = d;
+    s[b] = d * static_cast<float>(sum);
+#endif
+  }
+}
+
+}  // namespace csq
