@@ -65,8 +65,8 @@ class PrefixKVCache(PrefixTree):
     def match(self, token_ids: Seq[int] | np.ndarray, salt: bytes = b"") -> int:
         """Number of leading tokens of ``token_ids`` already cached (no side effects)."""
         tokens = check_tokens(token_ids)
-        path, partial = self._walk(tokens, salt)
-        return len(path) * self.chunk_size + (len(partial.tokens) if partial is not None else 0)
+        path, _node, n = self._walk_head(tokens, salt)
+        return len(path) * self.chunk_size + n
 
     # ------------------------------------------------------------------ two-step form
     def reserve(self, token_ids: Seq[int] | np.ndarray, salt: bytes = b"",
@@ -74,16 +74,18 @@ class PrefixKVCache(PrefixTree):
         """Start a sequence: take refs on its cached prefix; returns ``(seq_id, num_cached)``.
 
         The rest of the tokens stay pending until ``extend`` gives them slots. ``max_cached`` caps
-        the reuse (the engine passes ``len - 1`` so it can compute the last prompt token's logits);
-        a cap inside a cached chunk copies that chunk's leading tokens into a private chunk.
+        the reuse; a cap inside a cached chunk copies that chunk's leading tokens into a private chunk.
+        Past the last matching full chunk, the chunk under it that shares the most leading tokens with
+        the rest (a partial leaf, or a full chunk that goes on differently) is reused down to the token:
+        a whole partial leaf is shared (copied on write), a head is copied.
         """
         tokens = check_tokens(token_ids)
         if not isinstance(salt, bytes):
             raise TypeError("salt must be bytes")
         cap = len(tokens) if max_cached is None else max(0, min(int(max_cached), len(tokens)))
-        path, partial = self._walk(tokens, salt)
-        if partial is not None:
-            path = path + [partial]
+        path, head, head_n = self._walk_head(tokens, salt)
+        if head is not None and head_n == len(head.tokens):  # a whole partial leaf: shared (copied on write)
+            path, head = path + [head], None
         keep: list[Node] = []
         copy_from: Node | None = None
         copy_n = cached = 0
@@ -96,6 +98,8 @@ class PrefixKVCache(PrefixTree):
                 if cap > cached:
                     copy_from, copy_n = node, cap - cached
                 break
+        if head is not None and len(keep) == len(path) and min(head_n, cap - cached) > 0:
+            copy_from, copy_n = head, min(head_n, cap - cached)  # the head of a chunk that goes on differently
         now = self._touch()
         for node in keep:  # take refs first so that making room below cannot evict them
             self._incref(node)

@@ -81,6 +81,28 @@ class PrefixTree:
                 best = p
         return path, best
 
+    def _walk_head(self, tokens: np.ndarray, salt: bytes) -> tuple[list[Node], Node | None, int]:
+        """`_walk`'s full chunks, then the node under the last of them (full child or partial leaf) that
+        shares the most leading tokens with the rest: ``(path, node, n)``, ``n`` tokens of ``node`` matching
+        (0 and None when none does). A finished request's last chunk (its prompt's tail, then generated
+        tokens) thus serves a repeat of that prompt down to the token, as a copy of its head."""
+        path, _ = self._walk(tokens, salt)
+        if not self.share_prefix:
+            return path, None, 0
+        c = self.chunk_size
+        node = path[-1] if path else self._root(salt)
+        tail = tokens[len(path) * c:(len(path) + 1) * c].tolist()
+        best: Node | None = None
+        best_n = 0
+        for cand in (*node.partials, *node.children.values()):
+            toks = cand.tokens
+            n, m = 0, min(len(toks), len(tail))
+            while n < m and toks[n] == tail[n]:
+                n += 1
+            if n > best_n or (n == best_n and best is not None and n == len(toks) < len(best.tokens)):
+                best, best_n = cand, n
+        return path, best, best_n
+
     # ------------------------------------------------------------------ refcounts and LRU
     def _touch(self) -> int:
         self._tick += 1

@@ -74,7 +74,7 @@ def test_a_marked_system_prompt_survives_a_flood_of_5x_the_pool(server: LocalSer
     msgs = marked("first question", system=system) if pin else [{"role": "system", "content": system},
                                                                  {"role": "user", "content": "first question"}]
     first = details(post(server, "alpha", msgs))
-    assert first["cached_tokens"] == 0
+    assert first["cached_tokens"] < CHUNK  # not cached yet (the chat template's head may match, to the token)
     assert (first["cache_creation_tokens"] >= 6 * CHUNK) == pin
     flood(server, 5 * POOL * CHUNK, seed=int(pin))
     again = details(post(server, "alpha", [dict(msgs[0]), {"role": "user", "content": "second question"}]))

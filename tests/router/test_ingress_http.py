@@ -110,27 +110,32 @@ def test_completions_accept_text_and_token_prompts(server):
     assert sum(1 for p in pieces if p.choices and p.choices[0].finish_reason) == 1
 
 
+# Reuse is down to the token, so a tenant's earlier chats give it the chat template's head ("<|im_start|>
+# system\n", a few tokens) in its own scope; "not cached" below means less than one chunk.
+NOT_CACHED = CHUNK
+
+
 def test_private_prefix_is_never_reported_cached_for_another_tenant(server):
     system = "Private playbook of tenant alpha: " + SYSTEM
     first = chat(server, "alpha", "question one", system=system)
     again = chat(server, "alpha", "question two", system=system)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.prompt_tokens_details.cached_tokens < NOT_CACHED
     assert again.usage.prompt_tokens_details.cached_tokens >= 4 * CHUNK  # alpha hits its own prefix
     other = chat(server, "beta", "question one", system=system)  # the very same prompt as `first`
-    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.usage.prompt_tokens_details.cached_tokens < NOT_CACHED
     gamma = chat(server, "gamma", "question one", system=system)  # a shared-scope tenant neither
-    assert gamma.usage.prompt_tokens_details.cached_tokens == 0
+    assert gamma.usage.prompt_tokens_details.cached_tokens < NOT_CACHED
 
 
 def test_two_tenants_in_one_shared_group_share_a_prefix(server):
     system = "Public help-desk prompt of the team group: " + SYSTEM
     first = chat(server, "gamma", "how do I reset my password?", system=system)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.prompt_tokens_details.cached_tokens < NOT_CACHED
     second = chat(server, "delta", "how do I reset my password?", system=system)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= (second.usage.prompt_tokens // CHUNK - 1) * CHUNK
     assert chat(server, "alpha", "how do I reset my password?", system=system
-                ).usage.prompt_tokens_details.cached_tokens == 0
+                ).usage.prompt_tokens_details.cached_tokens < NOT_CACHED
 
 
 def test_the_hash_chain_for_the_router_matches_the_chunks_the_engine_stores(server):

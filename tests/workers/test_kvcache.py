@@ -88,6 +88,45 @@ def test_reserve_with_a_cap_copies_the_cached_head_of_a_chunk() -> None:
     assert torch.equal(kk, k[0]) and torch.equal(vv, v[0])
 
 
+def test_a_finished_requests_last_chunk_serves_a_repeat_of_its_prompt_down_to_the_token() -> None:
+    """Prompt 40 tokens (2 full chunks + 8), then 12 generated: the last chunk holds 8 prompt tokens and 8
+    generated ones. A repeat of the prompt reuses its head (a copy), so only the last token is computed."""
+    cache = make()
+    prompt = list(range(100, 140))
+    full = prompt + list(range(900, 912))
+    k, v = kv(len(full))
+    cache.remove_sequence(cache.add_sequence(full, k, v))
+    assert cache.match(prompt) == 40
+    assert cache.match(prompt[:37] + [7]) == 37  # the head stops where the tokens differ
+    assert cache.match([100, 101, 5]) == 2  # inside the first chunk too
+    s, cached = cache.reserve(prompt, max_cached=39)
+    assert cached == 39
+    chunks, offsets = cache.extend(s)
+    assert offsets.tolist() == [7]
+    cache.write(None, chunks, offsets, k[:, 39:40], v[:, 39:40])
+    kk, vv = cache.read_kv(s, 1)
+    assert torch.equal(kk, k[1, :40]) and torch.equal(vv, v[1, :40])
+    # the original chunk is untouched and still matches the longer sequence
+    assert cache.match(full) == len(full)
+
+
+def test_a_partly_matching_chunk_is_copied_not_shared_so_the_original_is_never_overwritten() -> None:
+    cache = make()
+    a = list(range(20))
+    ka, va = kv(20, 1)
+    sa = cache.add_sequence(a, ka, va)  # live: chunk 2 holds tokens 16..19
+    b = a[:18] + [77, 78]
+    kb, vb = kv(20, 2)
+    s, cached = cache.reserve(b)
+    assert cached == 18
+    chunks, offsets = cache.extend(s)
+    cache.write(None, chunks, offsets, kb[:, 18:], vb[:, 18:])
+    ka_now, _ = cache.read_kv(sa, 0)
+    assert torch.equal(ka_now, ka[0])  # a's own chunk kept its tokens 18, 19
+    kk, _ = cache.read_kv(s, 0)
+    assert torch.equal(kk[:18], ka[0, :18]) and torch.equal(kk[18:], kb[0, 18:])
+
+
 def test_eviction_is_lru_and_leaves_first() -> None:
     cache = make(num_chunks=6, c=4)
     a = cache.add_sequence(list(range(8)), *kv(8, 1))  # 2 chunks
