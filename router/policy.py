@@ -9,8 +9,11 @@ per-replica longest cached prefix from the index (``None`` when the index could 
    not overloaded.
 3. ``spill``: every holder is overloaded -> the least loaded replica that is not; the local hint map
    records that the prefix now lives there too, so later requests of a hot prefix spread over both.
-4. ``cold_hash``: nobody holds it -> rendezvous (highest-random-weight) hashing on the first chunk hash,
-   skipping overloaded replicas, so one system prompt keeps landing on one replica.
+4. ``cold_hash``: nobody holds it -> rendezvous (highest-random-weight) hashing on the first chunk hash
+   among the replicas within ``cold_slack`` of the least load (and not overloaded), so one system prompt
+   keeps landing on one replica while new prefixes go where there is room: with 4 tenants' prompts
+   arriving together on 2 replicas, rendezvous alone puts 3 or 4 on one replica half the time, whose
+   overload then spills and recomputes them on the other.
 5. ``redis_down``: the index is unreachable -> rules 2-4 on local hints only (rendezvous when none).
    (A lookup that is merely slower than the budget also uses hints only, under the usual reasons.)
 
@@ -39,6 +42,7 @@ class PolicyConfig:
     min_match_chunks: int = 1
     hint_ttl_s: float = 30.0
     max_hints: int = 200_000
+    cold_slack: int = 0
 
     def __post_init__(self) -> None:
         if self.spill_abs < 1:
@@ -49,8 +53,8 @@ class PolicyConfig:
             raise ValueError(f"PolicyConfig.load_cost_chunks must be >= 0, got {self.load_cost_chunks}")
         if self.min_match_chunks < 1:
             raise ValueError(f"PolicyConfig.min_match_chunks must be >= 1, got {self.min_match_chunks}")
-        if self.hint_ttl_s < 0 or self.max_hints < 0:
-            raise ValueError("PolicyConfig.hint_ttl_s and max_hints must be >= 0")
+        if self.hint_ttl_s < 0 or self.max_hints < 0 or self.cold_slack < 0:
+            raise ValueError("PolicyConfig.hint_ttl_s, max_hints and cold_slack must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,9 @@ class PrefixPolicy:
                 return self._decision(best, "redis_down" if down else "spill", eff, replicas)
             return self._decision(holders[0], "redis_down" if down else "prefix_hit", eff, replicas)
         order = sorted(replicas, key=lambda r: rendezvous_weight(chain[0], r.replica_id), reverse=True)
-        pick = next((r for r in order if not self._overloaded(r, min_load)), order[0])
+        slack = self.config.cold_slack
+        pick = next((r for r in order if r.ongoing <= min_load + slack and not self._overloaded(r, min_load)),
+                    order[0])
         return self._decision(pick, "redis_down" if down else "cold_hash", eff, order)
 
     def _least_loaded(self, replicas: Sequence[ReplicaLoad], reason: str, eff: dict[str, int]) -> Decision:

@@ -86,6 +86,27 @@ def test_cold_prefix_skips_overloaded_rendezvous_owner() -> None:
     assert d.replica_id != owner and d.reason == "cold_hash"
 
 
+def test_cold_prefixes_arriving_together_spread_over_the_replicas() -> None:
+    """4 new prompts at once on 2 replicas: each goes to a least loaded replica (rendezvous among those),
+    2 and 2, instead of rendezvous alone (3 or 4 on one replica for half of all prompt sets)."""
+    for seed in range(20):
+        pol = PrefixPolicy()
+        loads = {"r0": 0, "r1": 0}
+        for t in range(4):
+            chain = hash_chain([seed * 10 + t] * 8, 8, b"x")
+            d = pol.decide([ReplicaLoad(r, n) for r, n in loads.items()], chain, {})
+            assert d.reason == "cold_hash"
+            loads[d.replica_id] += 1
+        assert loads == {"r0": 2, "r1": 2}
+    # with slack, the rendezvous owner keeps a cold prefix while it is within the slack of the least load
+    h = CHAIN[0]
+    owner = max(("r0", "r1"), key=lambda r: rendezvous_weight(h, r))
+    other = "r0" if owner == "r1" else "r1"
+    loads2 = [ReplicaLoad(owner, 2), ReplicaLoad(other, 0)]
+    assert PrefixPolicy(PolicyConfig(cold_slack=2)).decide(loads2, CHAIN, {}).replica_id == owner
+    assert PrefixPolicy().decide(loads2, CHAIN, {}).replica_id == other
+
+
 def test_redis_down_falls_back_to_rendezvous_and_hints() -> None:
     pol = PrefixPolicy()
     d = pol.decide(_loads(0, 0, 0), CHAIN, None)
