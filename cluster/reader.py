@@ -126,6 +126,21 @@ class CachedIndexReader:
             self._cache.popitem(last=False)
         return matches
 
+    async def claim(self, first_hash: int, worker_id: str, ttl_s: float) -> str | None:
+        """The worker a cold prefix is placed on, agreed through Redis by every router (``AsyncPrefixIndex.
+        claim``); None when the index is down or does not answer within ``timeout_s`` (the claim then still
+        lands in the background)."""
+        if self._factory is None or (self._down and self._clock() < self._down_until):
+            return None
+        if self._index is None:
+            self._index = self._factory()
+        task = asyncio.get_running_loop().create_task(self._index.claim(first_hash, worker_id, int(ttl_s * 1000)))
+        task.add_done_callback(_consume_exception)
+        done, _ = await asyncio.wait({task}, timeout=self.config.timeout_s)
+        if not done or task.cancelled() or task.exception() is not None:
+            return None
+        return task.result()
+
     def invalidate(self) -> None:
         """Drop all cached lookups (e.g. after the replica set changed)."""
         self._cache.clear()
@@ -138,7 +153,7 @@ class CachedIndexReader:
             self._index = None
 
 
-def _consume_exception(task: asyncio.Task[dict[str, int]]) -> None:
+def _consume_exception(task: asyncio.Task) -> None:
     """Mark a background lookup's failure as seen (it was already logged and handled)."""
     if not task.cancelled():
         task.exception()

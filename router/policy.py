@@ -10,10 +10,12 @@ per-replica longest cached prefix from the index (``None`` when the index could 
 3. ``spill``: every holder is overloaded -> the least loaded replica that is not; the local hint map
    records that the prefix now lives there too, so later requests of a hot prefix spread over both.
 4. ``cold_hash``: nobody holds it -> rendezvous (highest-random-weight) hashing on the first chunk hash
-   among the replicas within ``cold_slack`` of the least load (and not overloaded), so one system prompt
-   keeps landing on one replica while new prefixes go where there is room: with 4 tenants' prompts
-   arriving together on 2 replicas, rendezvous alone puts 3 or 4 on one replica half the time, whose
-   overload then spills and recomputes them on the other.
+   among the replicas within ``cold_slack`` of the least load (and not overloaded), so new prefixes go
+   where there is room: with 4 tenants' prompts arriving together on 2 replicas, rendezvous alone puts 3
+   or 4 on one replica half the time, whose overload then spills and recomputes them on the other. Since
+   routers see different loads, the router (not this module) then claims the placement in Redis for
+   ``hint_ttl_s`` and follows an earlier claim (`follow_claim`), so one system prompt lands on one replica
+   whichever ingress replica routes it.
 5. ``redis_down``: the index is unreachable -> rules 2-4 on local hints only (rendezvous when none).
    (A lookup that is merely slower than the budget also uses hints only, under the usual reasons.)
 
@@ -172,6 +174,15 @@ class PrefixPolicy:
         pick = next((r for r in order if r.ongoing <= min_load + slack and not self._overloaded(r, min_load)),
                     order[0])
         return self._decision(pick, "redis_down" if down else "cold_hash", eff, order)
+
+    def follow_claim(self, replicas: Sequence[ReplicaLoad], decision: Decision, owner: str) -> Decision:
+        """A cold decision moved to ``owner``, where another router already placed the same prefix (a
+        shared claim), unless ``owner`` is not a candidate or is overloaded."""
+        by_id = {r.replica_id: r for r in replicas}
+        r = by_id.get(owner)
+        if r is None or owner == decision.replica_id or self._overloaded(r, min(x.ongoing for x in replicas)):
+            return decision
+        return self._decision(r, decision.reason, {}, replicas)
 
     def _least_loaded(self, replicas: Sequence[ReplicaLoad], reason: str, eff: dict[str, int]) -> Decision:
         self._rr += 1
