@@ -20,7 +20,11 @@ per-replica longest cached prefix from the index (``None`` when the index could 
    (A lookup that is merely slower than the budget also uses hints only, under the usual reasons.)
 
 A replica is overloaded when it is at capacity, or when its load exceeds the least loaded replica's by
-at least ``spill_abs`` *and* is at least ``spill_rel`` times ``(least load + 1)``.
+at least ``spill_abs + spill_per_chunk * m`` *and* is at least ``spill_rel`` times ``(least load + 1)``,
+``m`` being the chunks of the request it holds: a spill recomputes those chunks elsewhere (about a second
+of CPU per 1,000 tokens on a small worker), so a long cached prefix stays put under a larger imbalance.
+Measured on the 32-chat workload of ``benchmarks/compare_llama.sh`` (16-chunk prompts, 2 workers, 2 ingress
+replicas): with ``spill_abs`` 4 alone a burst spilled 1-3 requests, each recomputing a 1,000-token prompt.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class PolicyConfig:
     hint_ttl_s: float = 30.0
     max_hints: int = 200_000
     cold_slack: int = 0
+    spill_per_chunk: float = 0.5
 
     def __post_init__(self) -> None:
         if self.spill_abs < 1:
@@ -55,8 +60,8 @@ class PolicyConfig:
             raise ValueError(f"PolicyConfig.load_cost_chunks must be >= 0, got {self.load_cost_chunks}")
         if self.min_match_chunks < 1:
             raise ValueError(f"PolicyConfig.min_match_chunks must be >= 1, got {self.min_match_chunks}")
-        if self.hint_ttl_s < 0 or self.max_hints < 0 or self.cold_slack < 0:
-            raise ValueError("PolicyConfig.hint_ttl_s, max_hints and cold_slack must be >= 0")
+        if self.hint_ttl_s < 0 or self.max_hints < 0 or self.cold_slack < 0 or self.spill_per_chunk < 0:
+            raise ValueError("PolicyConfig.hint_ttl_s, max_hints, cold_slack and spill_per_chunk must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -137,11 +142,12 @@ class PrefixPolicy:
         return out
 
     # -- decisions ---------------------------------------------------------------------------------
-    def _overloaded(self, r: ReplicaLoad, min_load: int) -> bool:
+    def _overloaded(self, r: ReplicaLoad, min_load: int, matched: int = 0) -> bool:
         if r.capacity > 0 and r.ongoing >= r.capacity:
             return True
         c = self.config
-        return r.ongoing - min_load >= c.spill_abs and r.ongoing >= c.spill_rel * (min_load + 1)
+        return (r.ongoing - min_load >= c.spill_abs + c.spill_per_chunk * matched
+                and r.ongoing >= c.spill_rel * (min_load + 1))
 
     def decide(self, replicas: Sequence[ReplicaLoad], chain: Sequence[int],
                matches: Mapping[str, int] | None) -> Decision:
@@ -161,10 +167,10 @@ class PrefixPolicy:
         if holders:
             cost = self.config.load_cost_chunks
             holders.sort(key=lambda r: (-(eff[r.replica_id] - cost * r.ongoing), r.ongoing, r.replica_id))
-            fit = [r for r in holders if not self._overloaded(r, min_load)]
+            fit = [r for r in holders if not self._overloaded(r, min_load, eff[r.replica_id])]
             if fit:
                 return self._decision(fit[0], "redis_down" if down else "prefix_hit", eff, replicas)
-            free = [r for r in replicas if not self._overloaded(r, min_load)]
+            free = [r for r in replicas if not self._overloaded(r, min_load, eff.get(r.replica_id, 0))]
             if free:
                 best = min(free, key=lambda r: (r.ongoing, -eff.get(r.replica_id, 0), r.replica_id))
                 return self._decision(best, "redis_down" if down else "spill", eff, replicas)

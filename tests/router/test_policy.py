@@ -32,7 +32,7 @@ def test_load_trades_against_match_length() -> None:
 
 
 def test_overloaded_holder_spills_to_least_loaded_and_records_hint() -> None:
-    pol = PrefixPolicy(PolicyConfig(spill_abs=4, spill_rel=2.0))
+    pol = PrefixPolicy(PolicyConfig(spill_abs=4, spill_rel=2.0, spill_per_chunk=0.0))
     d = pol.decide(_loads(6, 1, 2), CHAIN, {"r0": 8})
     assert (d.replica_id, d.reason) == ("r1", "spill")
     pol.record(CHAIN, d.replica_id)
@@ -50,10 +50,21 @@ def test_overloaded_holder_spills_to_least_loaded_and_records_hint() -> None:
     ((3, 0), False),  # only 3 above
 ])
 def test_spill_needs_both_absolute_and_relative_excess(loads: tuple[int, int], spills: bool) -> None:
-    pol = PrefixPolicy(PolicyConfig(spill_abs=4, spill_rel=2.5))
+    pol = PrefixPolicy(PolicyConfig(spill_abs=4, spill_rel=2.5, spill_per_chunk=0.0))
     d = pol.decide(_loads(*loads), CHAIN, {"r0": 8})
     assert (d.reason == "spill") is spills
     assert d.replica_id == ("r1" if spills else "r0")
+
+
+@pytest.mark.parametrize(("matched", "load", "spills"), [
+    (8, 7, False),   # 8 chunks held: 4 + 0.5 * 8 = 8 above the least load needed
+    (8, 8, True),
+    (16, 11, False),  # a 1,024-token prompt stays put under 11 more requests
+    (16, 12, True),
+])
+def test_a_longer_held_prefix_needs_a_larger_imbalance_to_spill(matched: int, load: int, spills: bool) -> None:
+    d = PrefixPolicy().decide(_loads(load, 0), CHAIN, {"r0": matched})
+    assert (d.reason == "spill") is spills and d.replica_id == ("r1" if spills else "r0")
 
 
 def test_full_replica_is_overloaded_even_below_thresholds() -> None:
