@@ -123,6 +123,42 @@ class FairShare:
                 best, best_key = i, k
         return best
 
+    def slot_victim(self, running: Sequence[HasTenant], waiting: Sequence[HasTenant],
+                    slots: int) -> tuple[HasTenant, HasTenant] | None:
+        """With every batch slot taken, ``(victim, waiter)``: the running request to preempt so that the waiting
+        request of a tenant holding fewer than its fair share of the slots takes its slot; or None.
+
+        A tenant's fair share of ``slots`` is its weight over the weights of the tenants with work (running
+        or waiting), at least one slot. The waiter is the tenant ``pick`` would admit among those below their
+        share, if its counter is not above the victim's tenant's (so weighted service holds); the victim is the
+        newest request of the tenant furthest above its share. Preempted work keeps
+        its cached chunks, so a victim's re-admission mostly reuses them. No churn: a tenant at its share is
+        never a waiter, and one below it never a victim.
+        """
+        if not self.config.enabled or not waiting or len(running) < slots:
+            return None
+        count: dict[str, int] = {}
+        weight: dict[str, float] = {}
+        for r in (*running, *waiting):
+            count.setdefault(r.tenant, 0)
+            weight[r.tenant] = self.tenants[r.tenant].weight if r.tenant in self.tenants else r.weight
+        for r in running:
+            count[r.tenant] += 1
+        wsum = sum(weight.values())
+        fair = {t: max(1.0, slots * w / wsum) for t, w in weight.items()}
+        starved = [r for r in waiting if count[r.tenant] + 1 <= fair[r.tenant]]
+        if not starved:
+            return None
+        over = {t: count[t] - fair[t] for t in count if count[t] > fair[t]}
+        if not over:
+            return None
+        worst = max(over, key=lambda t: (over[t], t))
+        victim = max((r for r in running if r.tenant == worst), key=lambda r: r.seq)
+        waiter = starved[self.pick(starved)]
+        if self.key(waiter)[0] > self.key(victim)[0]:  # the waiter's tenant is ahead in service: weights hold
+            return None
+        return victim, waiter
+
     def share(self) -> dict[str, float]:
         """Each recently served tenant's share of the weighted service over its fair share (1.0 = fair)."""
         now = self.clock()

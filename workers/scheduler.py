@@ -188,6 +188,11 @@ class Scheduler:
         plan = StepPlan()
         self._preempted_now = set()
         self.pins.expire()
+        first: Request | None = None  # admitted before the fair pick: a starved tenant's request
+        swap = self.fair.slot_victim(self.running, self.waiting, self.config.max_num_seqs)
+        if swap is not None:  # a full batch of other tenants' requests: free a slot for a starved tenant
+            self._preempt(swap[0])  # type: ignore[arg-type]
+            first = swap[1]  # type: ignore[assignment]
         budget = self.config.max_num_batched_tokens
         decodes = self._schedule_decodes(budget)
         budget -= len(decodes)
@@ -201,7 +206,10 @@ class Scheduler:
             if req.prefilling and id(req) not in in_decode and id(req) not in self._preempted_now:
                 budget -= self._plan_prefill(req, budget, plan)
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            i = self.fair.pick(self.waiting)
+            i = next((k for k, r in enumerate(self.waiting) if r is first), None)
+            if i is None:
+                i = self.fair.pick(self.waiting)
+            first = None
             req = self.waiting[i]
             if id(req) in self._preempted_now or not self._admit(req):
                 break

@@ -119,3 +119,29 @@ def test_queueing_time_and_served_tokens_are_counted_per_tenant() -> None:
     st = sim.sched.stats()["tenant_sched"]["x"]
     assert st["prefill_tokens"] == 100 and st["decode_tokens"] == 9 and st["admitted"] == 1
     assert st["queue_time_s"] >= 0.0
+
+
+def test_a_full_batch_of_one_tenant_frees_a_slot_for_a_starved_tenant_within_a_step() -> None:
+    """8 slots, all held by long heavy decodes: the light tenant's requests each start on the next step
+    (one heavy request preempted per light one, its chunks kept cached), and a tenant at its share never
+    triggers another preemption (no churn). FCFS waits for a heavy request to finish."""
+    def run(fair: bool) -> tuple[list[int], int, int]:
+        sim = make_sim(256, max_num_seqs=8, max_num_batched_tokens=512, fair_share=fair)
+        for i in range(16):
+            sim.add(f"h{i}", [200 + i] * 100, 120, tenant="heavy")
+        for _ in range(10):
+            sim.run_step()
+        for k in range(3):
+            sim.add(f"l{k}", [9, k] * 20, 4, tenant="light")
+            for _ in range(12):
+                sim.run_step()
+        pre = sim.sched.num_preemptions
+        sim.drain()
+        assert len(sim.done) == 19
+        return [sim.first[f"l{k}"] - sim.arrival[f"l{k}"] for k in range(3)], pre, sim.sched.num_preemptions
+
+    waits, pre, total = run(True)
+    assert max(waits) <= 1, waits
+    assert pre == 3 and total == 3  # one per light request, none after
+    fcfs_waits, fcfs_pre, _ = run(False)
+    assert min(fcfs_waits) > 5 and fcfs_pre == 0, fcfs_waits
