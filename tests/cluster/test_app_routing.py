@@ -41,7 +41,7 @@ SYS_TOKENS = 512  # 32 full chunks per system prompt
 SUFFIX_TOKENS = 8  # unique user turn: less than a chunk, so only the system prompt is cacheable
 POOL_CHUNKS = 80  # two system prompts (64 chunks) + working room; three (96) do not fit
 TENANTS = [f"t{i}" for i in range(4)]
-SPILL = {"spill_abs": 2, "spill_rel": 1.5}
+SPILL = {"spill_abs": 2, "spill_rel": 1.5, "spill_per_chunk": 0.0}  # the spill thresholds alone
 # With SPILL, a holder stops taking requests once it runs 2 more (and 1.5x more) than the other replica,
 # and the spilled prefix then lives on both, so a burst of a hot prefix splits nearly evenly. MAX_SHARE is
 # the most one replica may serve of such a burst (completion order makes it drift above one half).
