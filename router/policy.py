@@ -9,13 +9,15 @@ per-replica longest cached prefix from the index (``None`` when the index could 
    not overloaded.
 3. ``spill``: every holder is overloaded -> the least loaded replica that is not; the local hint map
    records that the prefix now lives there too, so later requests of a hot prefix spread over both.
-4. ``cold_hash``: nobody holds it -> rendezvous (highest-random-weight) hashing on the first chunk hash
-   among the replicas within ``cold_slack`` of the least load (and not overloaded), so new prefixes go
-   where there is room: with 4 tenants' prompts arriving together on 2 replicas, rendezvous alone puts 3
-   or 4 on one replica half the time, whose overload then spills and recomputes them on the other. Since
-   routers see different loads, the router (not this module) then claims the placement in Redis for
-   ``hint_ttl_s`` and follows an earlier claim (`follow_claim`), so one system prompt lands on one replica
-   whichever ingress replica routes it.
+4. ``cold_hash``: nobody holds it -> rendezvous (highest-random-weight) hashing on the first chunk hash,
+   skipping overloaded replicas, so one system prompt keeps landing on one replica. With ``cold_slack``
+   set (off by default), only the replicas within that many requests of the least load take part, which
+   spreads new prefixes arriving together by load (with 4 tenants' prompts on 2 replicas, rendezvous alone
+   puts 3 or 4 on one replica half the time) but depends on the load each router sees; the router (not
+   this module) claims every cold placement in Redis for ``hint_ttl_s`` and follows an earlier claim
+   (`follow_claim`), so ingress replicas agree either way. Measured: neither setting removed the occasional
+   recomputed prompt on the 32-chat workload of ``benchmarks/compare_llama.sh``, and load-aware placement
+   broke the rendezvous split a capacity-bound test relies on, so rendezvous stays the default.
 5. ``redis_down``: the index is unreachable -> rules 2-4 on local hints only (rendezvous when none).
    (A lookup that is merely slower than the budget also uses hints only, under the usual reasons.)
 
@@ -48,7 +50,7 @@ class PolicyConfig:
     min_match_chunks: int = 1
     hint_ttl_s: float = 30.0
     max_hints: int = 200_000
-    cold_slack: int = 0
+    cold_slack: int | None = None  # None: rendezvous regardless of load (below overload)
     spill_per_chunk: float = 0.5
 
     def __post_init__(self) -> None:
@@ -60,7 +62,7 @@ class PolicyConfig:
             raise ValueError(f"PolicyConfig.load_cost_chunks must be >= 0, got {self.load_cost_chunks}")
         if self.min_match_chunks < 1:
             raise ValueError(f"PolicyConfig.min_match_chunks must be >= 1, got {self.min_match_chunks}")
-        if self.hint_ttl_s < 0 or self.max_hints < 0 or self.cold_slack < 0 or self.spill_per_chunk < 0:
+        if self.hint_ttl_s < 0 or self.max_hints < 0 or (self.cold_slack or 0) < 0 or self.spill_per_chunk < 0:
             raise ValueError("PolicyConfig.hint_ttl_s, max_hints, cold_slack and spill_per_chunk must be >= 0")
 
 
@@ -177,8 +179,8 @@ class PrefixPolicy:
             return self._decision(holders[0], "redis_down" if down else "prefix_hit", eff, replicas)
         order = sorted(replicas, key=lambda r: rendezvous_weight(chain[0], r.replica_id), reverse=True)
         slack = self.config.cold_slack
-        pick = next((r for r in order if r.ongoing <= min_load + slack and not self._overloaded(r, min_load)),
-                    order[0])
+        pick = next((r for r in order if (slack is None or r.ongoing <= min_load + slack)
+                     and not self._overloaded(r, min_load)), order[0])
         return self._decision(pick, "redis_down" if down else "cold_hash", eff, order)
 
     def follow_claim(self, replicas: Sequence[ReplicaLoad], decision: Decision, owner: str) -> Decision:

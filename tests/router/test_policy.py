@@ -97,11 +97,11 @@ def test_cold_prefix_skips_overloaded_rendezvous_owner() -> None:
     assert d.replica_id != owner and d.reason == "cold_hash"
 
 
-def test_cold_prefixes_arriving_together_spread_over_the_replicas() -> None:
+def test_with_cold_slack_0_cold_prefixes_arriving_together_spread_over_the_replicas() -> None:
     """4 new prompts at once on 2 replicas: each goes to a least loaded replica (rendezvous among those),
     2 and 2, instead of rendezvous alone (3 or 4 on one replica for half of all prompt sets)."""
     for seed in range(20):
-        pol = PrefixPolicy()
+        pol = PrefixPolicy(PolicyConfig(cold_slack=0))
         loads = {"r0": 0, "r1": 0}
         for t in range(4):
             chain = hash_chain([seed * 10 + t] * 8, 8, b"x")
@@ -115,11 +115,12 @@ def test_cold_prefixes_arriving_together_spread_over_the_replicas() -> None:
     other = "r0" if owner == "r1" else "r1"
     loads2 = [ReplicaLoad(owner, 2), ReplicaLoad(other, 0)]
     assert PrefixPolicy(PolicyConfig(cold_slack=2)).decide(loads2, CHAIN, {}).replica_id == owner
-    assert PrefixPolicy().decide(loads2, CHAIN, {}).replica_id == other
+    assert PrefixPolicy(PolicyConfig(cold_slack=0)).decide(loads2, CHAIN, {}).replica_id == other
+    assert PrefixPolicy().decide(loads2, CHAIN, {}).replica_id == owner  # default: rendezvous below overload
 
 
 def test_a_cold_decision_follows_another_routers_claim_unless_that_replica_is_overloaded() -> None:
-    pol = PrefixPolicy()
+    pol = PrefixPolicy(PolicyConfig(cold_slack=0))
     loads = _loads(1, 0)
     d = pol.decide(loads, CHAIN, {})
     assert d.replica_id == "r1"  # least loaded
