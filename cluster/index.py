@@ -6,7 +6,6 @@ Key schema (``ns`` is the namespace, default ``"chunkserve"``; see docs/cluster-
 * ``{ns:w:<worker>}:chunks`` set of the chunk hashes the worker holds, each as a *signed* 64-bit
   decimal integer (so small sets use Redis' compact intset encoding).
 * ``{ns}:workers``           zset worker id -> last heartbeat (ms since epoch); only for discovery/sweeps.
-* ``{ns}:claim:<h>``         string, the worker a cold prefix (first chunk hash ``h``) was placed on, PX TTL.
 
 A worker's lease and chunk set share one hash tag, so they live in one Redis Cluster slot. Different
 workers hash to different slots, so the index shards across a cluster by worker. A lookup is one round
@@ -139,10 +138,6 @@ class IndexKeys:
     @property
     def registry(self) -> str:
         return f"{{{self.namespace}}}:workers"
-
-    def claim(self, first_hash: int) -> str:
-        """Which worker the routers placed a cold prefix on (keyed by its first chunk hash), for a while."""
-        return f"{{{self.namespace}}}:claim:{encode_hash(first_hash)}"
 
 
 def redis_client(client: redis.Redis | str, timeout_s: float = 1.0) -> redis.Redis:
@@ -304,16 +299,6 @@ class AsyncPrefixIndex:
                 await self.client.script_load(PREFIX_LEN_LUA)
                 await self.client.script_load(PREFIX_LEN_MULTI_LUA)
         return _lookup_result(workers, results, self.cluster_mode)
-
-    async def claim(self, first_hash: int, worker_id: str, ttl_ms: int) -> str:
-        """Place a cold prefix on ``worker_id`` unless another router already placed it: returns the
-        placement every router agrees on (one round trip: SET NX with a TTL, then GET)."""
-        key = self.keys.claim(first_hash)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(key, check_worker_id(worker_id), nx=True, px=max(1, int(ttl_ms)))
-        pipe.get(key)
-        _ok, owner = await pipe.execute()
-        return _s(owner) if owner is not None else worker_id
 
     async def ping(self) -> bool:
         return bool(await self.client.ping())

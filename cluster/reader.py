@@ -30,15 +30,12 @@ class ReaderConfig:
 
     cache_ttl_s: float = 0.25
     timeout_s: float = 0.005
-    # a claim is made only for a prefix nobody holds, which costs a full prefill wherever it goes: worth a
-    # longer wait than a lookup (a burst of new prompts on a busy machine easily takes Redis past 5 ms)
-    claim_timeout_s: float = 0.1
     retry_after_s: float = 1.0
     max_cache_entries: int = 8192
     max_inflight: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("cache_ttl_s", "timeout_s", "retry_after_s", "claim_timeout_s"):
+        for name in ("cache_ttl_s", "timeout_s", "retry_after_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ReaderConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_cache_entries < 1 or self.max_inflight < 1:
@@ -128,21 +125,6 @@ class CachedIndexReader:
         while len(self._cache) > self.config.max_cache_entries:
             self._cache.popitem(last=False)
         return matches
-
-    async def claim(self, first_hash: int, worker_id: str, ttl_s: float) -> str | None:
-        """The worker a cold prefix is placed on, agreed through Redis by every router (``AsyncPrefixIndex.
-        claim``); None when the index is down or does not answer within ``claim_timeout_s`` (the claim then
-        still lands in the background)."""
-        if self._factory is None or (self._down and self._clock() < self._down_until):
-            return None
-        if self._index is None:
-            self._index = self._factory()
-        task = asyncio.get_running_loop().create_task(self._index.claim(first_hash, worker_id, int(ttl_s * 1000)))
-        task.add_done_callback(_consume_exception)
-        done, _ = await asyncio.wait({task}, timeout=self.config.claim_timeout_s)
-        if not done or task.cancelled() or task.exception() is not None:
-            return None
-        return task.result()
 
     def invalidate(self) -> None:
         """Drop all cached lookups (e.g. after the replica set changed)."""

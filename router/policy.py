@@ -13,11 +13,10 @@ per-replica longest cached prefix from the index (``None`` when the index could 
    skipping overloaded replicas, so one system prompt keeps landing on one replica. With ``cold_slack``
    set (off by default), only the replicas within that many requests of the least load take part, which
    spreads new prefixes arriving together by load (with 4 tenants' prompts on 2 replicas, rendezvous alone
-   puts 3 or 4 on one replica half the time) but depends on the load each router sees; the router (not
-   this module) claims every cold placement in Redis for ``hint_ttl_s`` and follows an earlier claim
-   (`follow_claim`), so ingress replicas agree either way. Measured: neither setting removed the occasional
-   recomputed prompt on the 32-chat workload of ``benchmarks/compare_llama.sh``, and load-aware placement
-   broke the rendezvous split a capacity-bound test relies on, so rendezvous stays the default.
+   puts 3 or 4 on one replica half the time) but depends on the load each router sees, so two ingress
+   replicas may place one new prefix apart. Measured: neither setting removed the occasional recomputed
+   prompt on the 32-chat workload of ``benchmarks/compare_llama.sh``, and load-aware placement broke the
+   rendezvous split a capacity-bound test relies on, so rendezvous stays the default.
 5. ``redis_down``: the index is unreachable -> rules 2-4 on local hints only (rendezvous when none).
    (A lookup that is merely slower than the budget also uses hints only, under the usual reasons.)
 
@@ -182,15 +181,6 @@ class PrefixPolicy:
         pick = next((r for r in order if (slack is None or r.ongoing <= min_load + slack)
                      and not self._overloaded(r, min_load)), order[0])
         return self._decision(pick, "redis_down" if down else "cold_hash", eff, order)
-
-    def follow_claim(self, replicas: Sequence[ReplicaLoad], decision: Decision, owner: str) -> Decision:
-        """A cold decision moved to ``owner``, where another router already placed the same prefix (a
-        shared claim), unless ``owner`` is not a candidate or is overloaded."""
-        by_id = {r.replica_id: r for r in replicas}
-        r = by_id.get(owner)
-        if r is None or owner == decision.replica_id or self._overloaded(r, min(x.ongoing for x in replicas)):
-            return decision
-        return self._decision(r, decision.reason, {}, replicas)
 
     def _least_loaded(self, replicas: Sequence[ReplicaLoad], reason: str, eff: dict[str, int]) -> Decision:
         self._rr += 1

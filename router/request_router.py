@@ -149,14 +149,9 @@ class PrefixAwareRouter(RequestRouter):
             # A slow answer (over the reader's budget) routes on local hints alone, but is not an outage:
             # only an unreachable index yields matches=None and the reason "redis_down".
             matches = {} if res.status == "timeout" else res.matches
-        loads = [self._load(r) for r in candidate_replicas]
-        decision = self._policy.decide(loads, chain, matches)
+        decision = self._policy.decide([self._load(r) for r in candidate_replicas], chain, matches)
         req_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         prev = self._reserved.get(req_id) if req_id is not None else None
-        if decision.reason == "cold_hash" and prev is None:  # agree with the other routers on a new prefix
-            owner = await self._reader.claim(chain[0], decision.replica_id, self._policy.config.hint_ttl_s)
-            if owner is not None:
-                decision = self._policy.follow_claim(loads, decision, owner)
         if self._predictions and pending_request is not None and CHAIN_KWARG in (pending_request.kwargs or {}):
             # the prediction, scored by the worker that runs it (workers/worker_metrics.RoutingAccuracy)
             pending_request.kwargs[ROUTING_KWARG] = {"reason": decision.reason, "depth": len(chain),

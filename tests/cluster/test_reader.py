@@ -107,30 +107,3 @@ def test_async_index_modes_agree(redis_server: RedisServer, namespace: str) -> N
 
     single, per_worker = asyncio.run(go())
     assert single == per_worker == {"w0": 0, "w1": 3, "w2": 8}
-
-
-def test_two_routers_claiming_one_cold_prefix_agree_on_the_first_claim(redis_server: RedisServer,
-                                                                       namespace: str) -> None:
-    async def go() -> None:
-        a, b = _reader(redis_server.url, namespace), _reader(redis_server.url, namespace)
-        assert await a.claim(CHAIN[0], "w1", ttl_s=0.3) == "w1"
-        assert await b.claim(CHAIN[0], "w2", ttl_s=0.3) == "w1"  # b follows a's placement
-        assert await b.claim(CHAIN[1], "w2", ttl_s=0.3) == "w2"  # another prefix: its own claim
-        await asyncio.sleep(0.4)
-        assert await b.claim(CHAIN[0], "w2", ttl_s=0.3) == "w2"  # the claim expired
-        await a.aclose()
-        await b.aclose()
-
-    asyncio.run(go())
-
-
-def test_a_claim_without_redis_is_none_not_an_error(namespace: str) -> None:
-    async def go() -> None:
-        assert await CachedIndexReader(None).claim(CHAIN[0], "w1", ttl_s=1.0) is None
-        with RedisServer() as srv:
-            reader = _reader(srv.url, namespace, timeout_s=0.2)
-            srv.stop()
-            assert await reader.claim(CHAIN[0], "w1", ttl_s=1.0) is None
-            await reader.aclose()
-
-    asyncio.run(go())

@@ -119,17 +119,6 @@ def test_with_cold_slack_0_cold_prefixes_arriving_together_spread_over_the_repli
     assert PrefixPolicy().decide(loads2, CHAIN, {}).replica_id == owner  # default: rendezvous below overload
 
 
-def test_a_cold_decision_follows_another_routers_claim_unless_that_replica_is_overloaded() -> None:
-    pol = PrefixPolicy(PolicyConfig(cold_slack=0))
-    loads = _loads(1, 0)
-    d = pol.decide(loads, CHAIN, {})
-    assert d.replica_id == "r1"  # least loaded
-    moved = pol.follow_claim(loads, d, "r0")
-    assert (moved.replica_id, moved.reason, moved.ranking) == ("r0", "cold_hash", ("r0", "r1"))
-    assert pol.follow_claim(loads, d, "gone") is d  # not a candidate
-    assert pol.follow_claim(_loads(9, 0), d, "r0") is d  # overloaded: keep the own choice
-
-
 def test_redis_down_falls_back_to_rendezvous_and_hints() -> None:
     pol = PrefixPolicy()
     d = pol.decide(_loads(0, 0, 0), CHAIN, None)
