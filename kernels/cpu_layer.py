@@ -27,6 +27,7 @@ from chunkserve.kernels.cpu_kernel import (
     load_cpu_kernel,
 )
 from chunkserve.kernels.torch_ops import Workspace
+from chunkserve.kernels.tpp_torch import memo_private_table
 
 ACT_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -44,19 +45,6 @@ class _Plan(ctypes.Structure):
 
 def _heads_contiguous(t: torch.Tensor, d: int) -> bool:
     return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == d
-
-
-def private_table(ctx: ChunkContext, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's chunk ids and valid tokens as dense int32 [b, P] tables, memoised per step."""
-    key = ("cpu_layer_table", id(ctx))
-    hit = ws.memo.get(key)
-    if hit is None or hit[0] is not ctx:  # type: ignore[index]
-        from chunkserve.kernels.tpp_torch import private_table as build
-
-        table, tokens, _counts = build(ctx)
-        hit = (ctx, (table.to(torch.int32).contiguous(), tokens.to(torch.int32).contiguous()))
-        ws.remember(key, hit)
-    return hit[1]  # type: ignore[index]
 
 
 class FusedDecodeLayer:
@@ -101,7 +89,7 @@ class FusedDecodeLayer:
                 return None
         elif nwrite > k.shape[0]:
             return None
-        table, tokens = private_table(ctx, ws)
+        table, tokens, _counts = memo_private_table(ctx, ws)  # int32 [b, P], contiguous
         p = table.shape[1]
         threads, cps, nsplit = launch_params(b, hkv, d, c, p)
         f32, dev = torch.float32, q.device

@@ -76,6 +76,16 @@ def private_table(ctx: ChunkContext) -> tuple[torch.Tensor, torch.Tensor, list[i
     return table, tokens, counts
 
 
+def memo_private_table(ctx: ChunkContext, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """`private_table`, memoised per step: the same for every layer (the entry holds the context, so its id
+    cannot be reused while it lives; owners clear the memo when token counts change)."""
+    hit = ws.memo.get(("private_table", id(ctx)))
+    if hit is None or hit[0] is not ctx:  # type: ignore[index]
+        hit = (ctx, private_table(ctx))
+        ws.remember(("private_table", id(ctx)), hit)
+    return hit[1]  # type: ignore[index,return-value]
+
+
 def tpp_decode_torch(
     q_sorted: torch.Tensor,
     k_pool_l: torch.Tensor,
@@ -97,13 +107,7 @@ def tpp_decode_torch(
     dev = q_sorted.device
     ws = workspace or Workspace()
     qf = q_sorted.float()  # [b, Hq, D]
-    # the table is the same for every layer of a step: memoised per context (holding the context, so
-    # its id cannot be reused while the entry lives); owners clear the memo when token counts change
-    hit = ws.memo.get(("private_table", id(ctx)))
-    if hit is None or hit[0] is not ctx:  # type: ignore[index]
-        hit = (ctx, private_table(ctx))
-        ws.remember(("private_table", id(ctx)), hit)
-    table, tokens, counts = hit[1]  # type: ignore[index]
+    table, tokens, counts = memo_private_table(ctx, ws)
     kern = inplace_kernel(qf.view(b, hkv, g, d), k_pool_l, inplace)
     if kern is not None:
         group = 0  # unused: the kernel covers every private chunk of a row in one slot

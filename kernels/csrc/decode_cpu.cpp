@@ -206,13 +206,6 @@ void run(const Args& a, int nthreads) {
 
 // --- one fused decode layer (nothing shared): K/V writes, scaled q, attention, output in the act dtype ---
 
-inline uint16_t f_to_bf16(float f) {  // round to nearest even, NaN stays NaN (torch's .to(bfloat16))
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 inline float load_act(const void* p, int64_t dtype, int64_t i) {
   return dtype == 0 ? static_cast<const float*>(p)[i] : to_f(static_cast<const Bf16*>(p)[i]);
 }
@@ -229,7 +222,7 @@ void put_row(const void* src, int64_t sdtype, int64_t soff, void* dst, int64_t d
     if (ddtype == 0) {
       static_cast<float*>(dst)[doff + j] = x;
     } else if (ddtype == 1) {
-      static_cast<uint16_t*>(dst)[doff + j] = f_to_bf16(x);
+      static_cast<uint16_t*>(dst)[doff + j] = cs::bf16_bits(x);
     } else {
       static_cast<_Float16*>(dst)[doff + j] = static_cast<_Float16>(x);
     }
@@ -291,7 +284,7 @@ int cs_decode_layer(const CsLayerPlan* p, const void* q, int64_t ldq, const void
   }
   if (p->act_dtype == 1) {
     uint16_t* ob = static_cast<uint16_t*>(out);
-    for (int64_t i = 0; i < p->b * hkv * g * d; ++i) ob[i] = f_to_bf16(o[i]);
+    for (int64_t i = 0; i < p->b * hkv * g * d; ++i) ob[i] = cs::bf16_bits(o[i]);
   }
   return 0;
 }

@@ -28,6 +28,14 @@ inline float to_f(Bf16 x) {
   return f;
 }
 inline float to_f(_Float16 x) { return static_cast<float>(x); }
+// fp32 -> bf16 bits, round to nearest even, NaN stays NaN (torch's .to(bfloat16)); workers/csrc/qact.h has
+// the same conversion for the separately built int4 library.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 inline vf load(const float* p) {
   vf v;
