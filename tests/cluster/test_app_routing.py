@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -213,16 +214,32 @@ def test_hot_tenant_burst_spills_and_no_replica_takes_more_than_its_share(
     def one(i: int) -> int:
         return _run(base, prompts, [order[i]], seed=100 + i, max_tokens=8)[0][1]  # long enough to overlap
 
-    with ThreadPoolExecutor(max_workers=len(order)) as pool:
-        cached = list(pool.map(one, range(len(order))))
+    # The hot prefix's holders are sampled during the burst: once the burst is over, the cold tenants'
+    # prompts may evict a spilled copy again (a pool holds two prompts), so the end state proves nothing.
+    chain = hash_chain(prompts[hot], CHUNK, hot.encode())
+    seen_holders: set[str] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            seen_holders.update(_holders(redis_server.url, chain, workers))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(max_workers=len(order)) as pool:
+            cached = list(pool.map(one, range(len(order))))
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+    seen_holders.update(_holders(redis_server.url, chain, workers))
     after = {w: s["prompt_tokens_total"] for w, s in _worker_stats("pa").items()}
     served = {w: (after[w] - before.get(w, 0)) // (SYS_TOKENS + SUFFIX_TOKENS) for w in after}
     assert sum(served.values()) == len(order) + 1, served
     share = max(served.values()) / sum(served.values())
-    chain = hash_chain(prompts[hot], CHUNK, hot.encode())
     print(f"\nburst of {len(order)} (+1 warm-up): per replica {served}, max share {share:.2f}, "
           f"cached {sum(cached)} tokens")
-    assert _holders(redis_server.url, chain, workers) == set(workers), "the hot prefix never spilled"
+    assert seen_holders == set(workers), "the hot prefix never spilled"
     assert share <= MAX_SHARE, served
 
 
