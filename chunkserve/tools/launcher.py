@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -138,6 +139,15 @@ def redis_for(url: str | None) -> Iterator[str]:
         yield server.url
 
 
+def ray_env_vars(redis_url: str) -> dict[str, str]:
+    """The environment of every Ray process `chunkserve up` starts: where the index lives, and the HTTP proxy's
+    `ProxyGuard` (clean 503s and SSE error events when an ingress replica dies or the app is being replaced),
+    unless the user gave the proxy a middleware callback of their own."""
+    from chunkserve.router.proxy_guard import CALLBACK_ENV, CALLBACK_PATH
+
+    return {"CHUNKSERVE_REDIS_URL": redis_url, CALLBACK_ENV: os.environ.get(CALLBACK_ENV) or CALLBACK_PATH}
+
+
 def start(cfg: AppConfig, opts: LaunchOptions) -> None:
     """Starts Ray and Serve and deploys the app ``cfg`` (whose ``redis_url`` must be set: see `redis_for`)."""
     import ray
@@ -149,7 +159,7 @@ def start(cfg: AppConfig, opts: LaunchOptions) -> None:
     if not cfg.redis_url:
         raise ValueError("start() needs cfg.redis_url (launch() starts a Redis server when it is None)")
     init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                            "runtime_env": {"env_vars": {"CHUNKSERVE_REDIS_URL": cfg.redis_url}}}
+                            "runtime_env": {"env_vars": ray_env_vars(cfg.redis_url)}}
     if opts.address:
         init["address"] = opts.address
     elif opts.num_cpus:

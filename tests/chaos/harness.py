@@ -33,10 +33,19 @@ class Outcome:
     error: Any = None  # an error event, a non-200 body, or the client-side exception
     text: str = ""
     first_token_s: float | None = None
+    retry_after: str | None = None  # the Retry-After header of a non-200 answer
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.done and self.error is None and self.finish_reason in ("stop", "length")
+
+    @property
+    def clean_error(self) -> bool:
+        """Failed in a way a client can act on: a 503 with an OpenAI error JSON and Retry-After, or a stream
+        that carries an error event and still ends with [DONE] (not a bare 500, a cut stream or a hang)."""
+        if self.status == 503:
+            return isinstance(self.error, dict) and "message" in self.error and self.retry_after is not None
+        return self.status == 200 and self.done and isinstance(self.error, dict) and "message" in self.error
 
 
 def stream_completion(base_url: str, body: dict[str, Any], prompt: int, timeout_s: float) -> Outcome:
@@ -48,7 +57,12 @@ def stream_completion(base_url: str, body: dict[str, Any], prompt: int, timeout_
                            timeout=timeout_s) as r:
             out.status = r.status_code
             if r.status_code != 200:
-                out.error = r.read().decode("utf-8", "replace")[:500]
+                out.retry_after = r.headers.get("retry-after")
+                text = r.read().decode("utf-8", "replace")
+                try:
+                    out.error = json.loads(text)["error"]
+                except (ValueError, KeyError, TypeError):
+                    out.error = text[:500]
                 return out
             for line in r.iter_lines():
                 if not line.startswith("data: "):

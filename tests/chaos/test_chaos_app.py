@@ -2,7 +2,7 @@
 ``random:tiny`` workers, 2 ingress replicas, a real Redis, Ray's HTTP and gRPC proxies) under steady streaming
 load: a worker replica SIGKILLed twice, an ingress replica SIGKILLed, Redis stopped for 30 s. Each asserts zero
 failed requests and zero hangs (and greedy outputs equal to an undisturbed run); for the ingress kill, only the
-requests that were on the killed replica may fail. One app is shared by the module's tests, in order."""
+requests that were on the killed replica may fail, and only with a clean error (503 JSON or SSE error + [DONE]). One app is shared by the module's tests, in order."""
 
 from __future__ import annotations
 
@@ -51,11 +51,12 @@ def cluster() -> Iterator[Cluster]:
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     from chunkserve.router.app import GRPC_SERVICER, AppConfig, build_app
+    from chunkserve.tools.launcher import ray_env_vars
 
     http_port, grpc_port = _free_port(), _free_port()
     redis = RedisServer().start()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"CHUNKSERVE_REDIS_URL": redis.url}})
+             runtime_env={"env_vars": ray_env_vars(redis.url)})  # as `chunkserve up`: the proxy's ProxyGuard
     try:
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
                     grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
@@ -113,7 +114,7 @@ def test_a_worker_replica_killed_twice_under_load_loses_no_request(cluster):
     assert not bad, bad[:3]  # no failure, no hang, greedy text identical to the undisturbed run
 
 
-def test_an_ingress_replica_killed_under_load_fails_only_its_own_requests(cluster):
+def test_an_ingress_replica_killed_under_load_gives_its_requests_a_clean_error_and_loses_no_other(cluster):
     load = cluster.load().start()
     time.sleep(3.0)
     t_kill = time.monotonic()
@@ -124,9 +125,12 @@ def test_an_ingress_replica_killed_under_load_fails_only_its_own_requests(cluste
     bad = failures(outs, cluster.reference)
     after = [o for o in outs if o.t_start > t_kill + 1.0]
     _report("ingress SIGKILL", requests=len(outs), in_flight=in_flight, failed=len(bad),
-            replaced_s=round(replaced_s, 1), failed_got=[(o.status, str(o.error)[:80]) for o in bad][:4])
+            clean=sum(o.clean_error for o in bad), replaced_s=round(replaced_s, 1),
+            failed_got=[(o.status, o.done, str(o.error)[:80]) for o in bad][:4])
     assert all(o.t_start <= t_kill for o in bad), bad  # only requests already running at the kill
     assert len(bad) <= in_flight
+    # Ray's proxy held those connections; its ProxyGuard ends them with a 503 JSON or an SSE error + [DONE]
+    assert all(o.clean_error for o in bad), [(o.status, o.done, o.error) for o in bad]
     assert after and not failures(after, cluster.reference)  # the other replica took every later request
 
 
@@ -169,3 +173,16 @@ def test_grpc_through_rays_proxy_refuses_20_mb_fast_and_garbage_cleanly(cluster)
             big_code=ei.value.code().name, garbage_code=eg.value.code().name, garbage_details=eg.value.details())
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and elapsed < 0.5
     assert eg.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Error" not in eg.value.details()
+
+
+def test_an_api_request_while_no_app_is_deployed_gets_503_json_not_rays_404(cluster):
+    """What a client sees while the app is deleted or redeployed (the drain of `chunkserve up`): the proxy still
+    runs but routes nothing; its guard answers 503 JSON with Retry-After. Last in the module: it deletes the app."""
+    import httpx2
+
+    serve.delete(APP)
+    r = httpx2.post(cluster.http + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                    timeout=30)
+    _report("no app deployed", status=r.status_code, retry_after=r.headers.get("retry-after"))
+    assert r.status_code == 503 and r.headers.get("retry-after")
+    assert r.json()["error"]["code"] == "not_deployed"

@@ -50,6 +50,9 @@ def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path):
         load._stop.set()  # no new requests from here on: only the in-flight ones must finish
         t_int = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
+        time.sleep(1.0)
+        late = stream_completion(base, {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4,
+                                        "temperature": 0.0}, 1, 30.0)  # sent during the drain
         outs = load.stop()
         # in flight = sent at least 0.25 s before the Ctrl-C (so the proxy has it) and not done by then; a request
         # sent in the same instant as the signal may reach the proxy after the app's routes are gone (a 404)
@@ -59,8 +62,13 @@ def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path):
         bad = failures(in_flight)
         print(f"\n[chaos] Ctrl-C: in_flight={len(in_flight)}, failed={len(bad)}, "
               f"last_finished_after_s={max(o.t_end for o in in_flight) - t_int:.1f}, "
-              f"exit_s={time.monotonic() - t_int:.1f}, rc={rc}", flush=True)
+              f"exit_s={time.monotonic() - t_int:.1f}, rc={rc}, sent_during_drain={late.status or late.error}",
+              flush=True)
         assert in_flight and not bad, [(o.status, o.error) for o in bad][:3]
+        # a request sent during the drain is refused cleanly (503 JSON + Retry-After from the proxy's guard),
+        # or finds the proxy already gone; never Ray's plain-text 404
+        refused = late.status == 0 and "Connect" in str(late.error)
+        assert late.clean_error or refused, (late.status, late.error)
         assert rc == 0 and "chunkserve stopped." in text and "draining" in text
     finally:
         if proc.poll() is None:
