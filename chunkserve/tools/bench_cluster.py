@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chunkserve.tools.loadtest import ClusterSpec, LoadSpec, local_cluster, run_load, write_tenants
+from chunkserve.tools.loadtest import LoadSpec, run_load
+from chunkserve.tools.loadtest_cluster import ClusterSpec, local_cluster, write_tenants
 from chunkserve.tools.loadtest_report import dist
 
 logger = logging.getLogger("chunkserve.bench_cluster")

@@ -119,7 +119,7 @@ def test_parse_metrics_sums_tenants_and_reads_worker_series() -> None:
 def test_generated_tenants_file_carries_an_admin_key_for_metrics(tmp_path) -> None:
     """Tenant mode refuses /metrics to tenants' keys: the load test's sampler reads it with its own admin key."""
     from chunkserve.router.tenants import load_tenants
-    from chunkserve.tools.loadtest import Endpoints, admin_key, write_tenants
+    from chunkserve.tools.loadtest_cluster import Endpoints, admin_key, write_tenants
 
     tenants_path, keys_path = write_tenants(tmp_path, 3)
     reg = load_tenants(str(tenants_path))
