@@ -101,12 +101,18 @@ class FairShare:
         t.queue_time_s += max(0.0, waited_s)
         t.admitted += 1
 
-    def key(self, req: HasTenant) -> tuple[float, int]:
-        """Priority of a request (smaller first): (tenant counter, arrival) with VTC, else (0, arrival)."""
+    def key(self, req: HasTenant) -> tuple[float, float, int]:
+        """Priority of a request (smaller first): (tenant counter, recent service, arrival) with VTC, else
+        (0, 0, arrival). Recent service (decayed over ``window_s``) breaks ties between tenants: a tenant back
+        from idle is lifted to the busy tenants' lowest counter, and then goes before the one that was served
+        all along. A tenant's requests share both, so they keep their arrival order."""
         if not self.config.enabled:
-            return (0.0, req.seq)
+            return (0.0, 0.0, req.seq)
         t = self.tenants.get(req.tenant)
-        return (t.counter if t is not None else 0.0, req.seq)
+        if t is None:
+            return (0.0, 0.0, req.seq)
+        recent = t.recent * math.exp(-(self.clock() - t.recent_at) / self.config.window_s)
+        return (t.counter, recent, req.seq)
 
     def pick(self, waiting: Sequence[HasTenant]) -> int:
         """Index of the request to admit next (the queue is kept in arrival order)."""

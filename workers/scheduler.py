@@ -180,8 +180,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ planning
-    def _priority(self, req: Request) -> tuple[float, int]:
-        """Smaller runs first: (tenant's virtual token counter, arrival) under fair share, else arrival."""
+    def _priority(self, req: Request) -> tuple[float, float, int]:
+        """Smaller runs first: (tenant's virtual token counter, its recent service, arrival) under fair share,
+        else arrival."""
         return self.fair.key(req)
 
     def schedule(self) -> StepPlan:
@@ -198,23 +199,32 @@ class Scheduler:
         budget -= len(decodes)
         for req in decodes:
             self.fair.charge(req.tenant, decode=1)
-        # prefill chunks of running requests first (in priority order), then admit new ones
+        # prefill pieces in one priority order over running prompts and admissions: a waiting request that
+        # outranks a running one's remaining prompt (a light tenant's, under fair share) is admitted and
+        # prefilled before it; admission stops at the first request that does not fit (no overtaking)
         in_decode = {id(r) for r in decodes}
-        for req in sorted(self.running, key=self._priority):
-            if budget <= 0:
-                break
-            if req.prefilling and id(req) not in in_decode and id(req) not in self._preempted_now:
-                budget -= self._plan_prefill(req, budget, plan)
-        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            i = next((k for k, r in enumerate(self.waiting) if r is first), None)
-            if i is None:
-                i = self.fair.pick(self.waiting)
-            first = None
-            req = self.waiting[i]
-            if id(req) in self._preempted_now or not self._admit(req):
-                break
-            del self.waiting[i]
-            self.running.append(req)
+        pending = sorted((r for r in self.running if r.prefilling and id(r) not in in_decode
+                          and id(r) not in self._preempted_now), key=self._priority)
+        admitting = True
+        while budget > 0:
+            req = None
+            if admitting and self.waiting and len(self.running) < self.config.max_num_seqs:
+                i = next((k for k, r in enumerate(self.waiting) if r is first), None)
+                if i is None:
+                    i = self.fair.pick(self.waiting)
+                cand = self.waiting[i]
+                if cand is first or not pending or self._priority(cand) < self._priority(pending[0]):
+                    first = None
+                    if id(cand) in self._preempted_now or not self._admit(cand):
+                        admitting = False
+                        continue
+                    del self.waiting[i]
+                    self.running.append(cand)
+                    req = cand
+            if req is None:
+                if not pending:
+                    break
+                req = pending.pop(0)
             budget -= self._plan_prefill(req, budget, plan)
         self._plan_decode_batch(decodes, plan)
         return plan

@@ -77,6 +77,23 @@ def test_fair_share_admits_a_light_tenant_ahead_of_a_heavy_backlog_and_fcfs_does
     assert fair < 40 < fcfs, (fair, fcfs)
 
 
+def test_fair_share_prefills_a_light_prompt_before_heavy_prompts_already_running() -> None:
+    """Running requests' remaining prompt pieces and admissions share one priority order: a light request
+    arriving while two long heavy prompts are mid-prefill gets its first token after one step (its prompt
+    fits the step's budget), where first come, first served makes it wait for the heavy prefills."""
+    def light_wait(fair: bool) -> int:
+        sim = make_sim(128, max_num_seqs=8, max_num_batched_tokens=256, fair_share=fair)
+        sim.add("h0", [300] * 1024, 4, tenant="heavy")
+        sim.add("h1", [400] * 1024, 4, tenant="heavy")
+        sim.run_step()  # h0's first 256 prompt tokens
+        sim.add("light", [9] * 64, 4, tenant="light")
+        sim.drain()
+        return sim.first["light"] - sim.arrival["light"]
+
+    fair, fcfs = light_wait(True), light_wait(False)
+    assert fair == 1 and fcfs > 4, (fair, fcfs)
+
+
 def test_fair_share_is_work_conserving_for_a_lone_tenant() -> None:
     steps = []
     for fair in (True, False):
