@@ -9,7 +9,7 @@ the model only on uncached tokens and still gets exact attention over the whole 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,24 +141,51 @@ def prefill_torch(
             out[cu[b] : cu[b + 1]] = o.permute(2, 1, 0, 3).reshape(n_b, hq, d).to(q.dtype)
             continue
         qb = qrow.view(n_b, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n_b, d)  # row gi*n_b + i
-        q_pos = (torch.arange(n_b, device=q.device) + starts[b]).repeat(g)  # [g*n_b]
-        acc_o = acc_lse = None
-        for piece in pieces:
-            k0, n = piece[0], piece[1]
-            bias = None
-            if k0 + n - 1 > starts[b]:  # some keys of this piece lie after some query: causal mask
-                k_pos = torch.arange(k0, k0 + n, device=q.device)
-                bias = torch.zeros(1, 1, g * n_b, n, dtype=torch.float32, device=q.device)
-                bias.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
-            o, lse = partial_attention(qb, _piece(k_pool_l, piece).unsqueeze(0),
-                                       _piece(v_pool_l, piece).unsqueeze(0), scale, bias)
-            if acc_o is None:
-                acc_o, acc_lse = o.clone(), lse.clone()
-            elif acc_lse is not None:  # set together with acc_o
-                merge_into(acc_o, acc_lse, o, lse)
-        res = acc_o.view(hkv, g, n_b, d).permute(2, 0, 1, 3).reshape(n_b, hq, d)  # type: ignore[union-attr]
+        acc: tuple[torch.Tensor, torch.Tensor] | None = None
+        for o, lse in _row_parts(qb, qrow, k_pool_l, v_pool_l, pieces, starts[b], n_b, g, scale):
+            if acc is None:
+                acc = (o.clone(), lse.clone())
+            else:
+                merge_into(acc[0], acc[1], o, lse)
+        assert acc is not None  # length = starts[b] + n_b > 0 keys: at least one part
+        res = acc[0].view(hkv, g, n_b, d).permute(2, 0, 1, 3).reshape(n_b, hq, d)
         out[cu[b] : cu[b + 1]] = res.to(q.dtype)
     return out
+
+
+def _row_parts(qb: torch.Tensor, qrow: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor,
+               pieces: list[tuple[int, int, int, list[int]]], start: int, n_b: int, g: int, scale: float
+               ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Partial (o, lse) of one row over its key pieces, each [1, Hkv, g*n_b, D] / [1, Hkv, g*n_b].
+
+    Keys before ``start`` (the cached prefix) are seen by every new token: no mask. When the new tokens'
+    keys are one view, they are one square causal call (the kernel skips the masked half; queries laid out
+    [g, Hkv, n_b, D] so that row index = position); otherwise each piece holding new keys gets a mask.
+    """
+    hkv, _n, _c, d = k_pool_l.shape
+    q_pos = None
+    for piece in pieces:
+        k0, n = piece[0], piece[1]
+        k, v = _piece(k_pool_l, piece).unsqueeze(0), _piece(v_pool_l, piece).unsqueeze(0)  # [1, Hkv, n, D]
+        cut = min(max(start - k0, 0), n)  # keys [0, cut) of the piece are cached ones
+        if cut:
+            yield partial_attention(qb, k[:, :, :cut], v[:, :, :cut], scale)
+        if cut == n:
+            continue
+        if k0 + cut == start and n - cut == n_b:  # exactly the new tokens: square causal
+            qg = qrow.view(n_b, hkv, g, d).permute(2, 1, 0, 3)  # [g, Hkv, n_b, D]
+            kn = k[:, :, cut:].expand(g, -1, -1, -1)
+            vn = v[:, :, cut:].expand(g, -1, -1, -1)
+            o, lse = partial_attention(qg, kn, vn, scale, causal=True)  # [g, Hkv, n_b, D], [g, Hkv, n_b]
+            yield (o.permute(1, 0, 2, 3).reshape(1, hkv, g * n_b, d),
+                   lse.permute(1, 0, 2).reshape(1, hkv, g * n_b))
+            continue
+        if q_pos is None:
+            q_pos = (torch.arange(n_b, device=qb.device) + start).repeat(g)  # [g*n_b]
+        k_pos = torch.arange(k0 + cut, k0 + n, device=qb.device)
+        bias = torch.zeros(1, 1, g * n_b, n - cut, dtype=torch.float32, device=qb.device)
+        bias.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        yield partial_attention(qb, k[:, :, cut:], v[:, :, cut:], scale, bias)
 
 
 def _piece(pool: torch.Tensor, piece: tuple[int, int, int, list[int]]) -> torch.Tensor:

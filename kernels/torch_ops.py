@@ -72,7 +72,22 @@ def partial_attention(
         return _partial_upcast(q, k, v, scale, bias, ws or Workspace())
     if _FLASH_CPU is not None and q.device.type == "cpu":
         o, lse = _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        return _drop_empty_rows(o, lse, bias)
+    return _drop_empty_rows(*_partial_matmul(q, k, v, scale, bias), bias)
+
+
+def _drop_empty_rows(o: torch.Tensor, lse: torch.Tensor, bias: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A query row whose keys are all masked is an empty partial: o = 0, lse = -inf (ATen's flash kernel
+    returns lse = 0 for it, the matmul path o = NaN; either would corrupt a log-sum-exp merge)."""
+    if bias is None:
         return o, lse
+    empty = torch.isneginf(bias).all(dim=-1)  # broadcastable to lse: [B, H, M]
+    return o.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
+
+
+def _partial_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [B, H, M, T]
     if bias is not None:
         s = s + bias

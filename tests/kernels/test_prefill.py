@@ -123,3 +123,49 @@ def test_prefill_without_cached_prefix_is_plain_causal(cache_tree, check, dtype)
     for backend in BACKENDS:
         o = prefill_attention(q, *pools, table, tokens, [0, 0], cu, 0.125, backend=backend)
         assert check.rel_err(o, ref) < check.tol[dtype], backend
+
+
+@pytest.mark.parametrize(("name", "ids", "toks", "start"), [
+    # cached chunks 0-1 (24 tokens), the 40 new tokens in consecutive chunks 2-4: one square causal call
+    ("new tokens one view after a cut", [0, 1, 2, 3, 4], [16, 16, 16, 16, 16], 24),
+    # the new tokens start a piece of their own (chunk 7 follows the cached 0-1): causal, no cached part
+    ("new tokens one view of their own", [0, 1, 7, 8, 9], [16, 16, 16, 16, 8], 32),
+    # the new tokens' chunks are not consecutive (5, 2, 9): every piece holding new keys gets a mask
+    ("new tokens over scattered chunks", [0, 1, 5, 2, 9], [16, 16, 16, 16, 16], 20),
+])
+def test_prefill_splits_cached_and_new_keys_exactly(name: str, ids: list[int], toks: list[int], start: int) -> None:
+    """The torch path attends the cached keys without a mask and the new ones causally (one square call
+    when they are one view of the pool, masked pieces otherwise); each layout matches the reference, on
+    both backends."""
+    gen = torch.Generator().manual_seed(5)
+    hkv, g, c, d = 2, 3, 16, 32
+    k_pool, v_pool = torch.randn(2, hkv, 12, c, d, generator=gen).unbind(0)
+    total = sum(toks)
+    n = total - start
+    q = torch.randn(n, hkv * g, d, generator=gen)
+    gather = torch.tensor([cid * c + t for cid, nt in zip(ids, toks, strict=True) for t in range(nt)])
+    kv = (k_pool.reshape(hkv, -1, d)[:, gather], v_pool.reshape(hkv, -1, d)[:, gather])
+    ref = reference(q, [kv], [start], [0, n], 0.2)
+    table = torch.tensor([ids], dtype=torch.int32)
+    tokens = torch.tensor([toks], dtype=torch.int32)
+    for backend in BACKENDS:
+        o = prefill_attention(q.to(DEV), k_pool.to(DEV), v_pool.to(DEV), table.to(DEV), tokens.to(DEV), [start],
+                              [0, n], 0.2, backend=backend)
+        assert float((o.cpu().double() - ref).norm() / ref.norm()) < 1e-5, (name, backend)
+
+
+@pytest.mark.parametrize("path", ["flash", "matmul"])
+def test_a_query_row_with_every_key_masked_is_an_empty_partial(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partial whose row sees no key must not count in a log-sum-exp merge: o = 0 and lse = -inf on both
+    the ATen flash path (which gives lse = 0) and the matmul path (which gives o = NaN)."""
+    from chunkserve.kernels import torch_ops
+
+    if path == "matmul":
+        monkeypatch.setattr(torch_ops, "_FLASH_CPU", None)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 3, 8, generator=gen) for _ in range(3))
+    bias = torch.zeros(1, 1, 3, 3)
+    bias[..., 0, :] = float("-inf")  # row 0 sees nothing
+    o, lse = torch_ops.partial_attention(q, k, v, 0.3, bias)
+    assert torch.equal(o[:, :, 0], torch.zeros(1, 2, 8)) and bool(torch.isneginf(lse[:, :, 0]).all())
+    assert bool(torch.isfinite(o[:, :, 1:]).all()) and bool(torch.isfinite(lse[:, :, 1:]).all())

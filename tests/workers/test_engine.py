@@ -85,6 +85,30 @@ def test_prefix_reuse_skips_the_cached_system_prompt(hf_dir) -> None:
     assert ran == len(second.prompt_token_ids) - second.num_cached_tokens + GREEDY.max_tokens - 1
 
 
+def test_a_prompt_reused_to_mid_chunk_in_a_fragmented_pool_matches_hf(hf_dir) -> None:
+    """A prompt whose cached prefix ends inside a chunk (reuse down to the token copies that chunk's head)
+    goes on in chunks that evictions of other prompts' cached chunks free all over the pool: its prefill
+    spans several pool pieces, and its first new tokens see none of the later pieces' keys. The greedy
+    output must still be HF's (an all-masked piece once counted as a real partial here)."""
+    path, hf = hf_dir
+    rng = random.Random(9)
+    base = [rng.randrange(1, 512) for _ in range(100)]
+    llm = LLM(model=path, chunk_size=16, num_kv_chunks=24, max_num_batched_tokens=512)
+    llm.generate([base], GREEDY)  # 7 chunks, cached after it finishes
+    for _ in range(8):  # fill the rest of the pool with other cached prompts (2 chunks each)
+        llm.generate([[rng.randrange(1, 512) for _ in range(20)]], GREEDY)
+    prompt = base[:90] + [rng.randrange(1, 512) for _ in range(60)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
+    out = llm.generate([prompt], params)[0]
+    assert out.num_cached_tokens == 90  # reused down to the token, into the middle of the sixth chunk
+    assert out.token_ids == hf_greedy(hf, prompt, params.max_tokens)
+    with torch.no_grad():  # the log-probabilities too: greedy picks alone hide small attention errors
+        logits = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:].double()
+    ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+    err = float((torch.tensor(out.logprobs, dtype=torch.float64) - ref).abs().max())
+    assert err < 1e-4, (out.logprobs, ref)  # fp32 vs HF: 2e-6 here; the all-masked-piece bug gave 1.6e-3
+
+
 def test_preemption_under_a_tiny_pool_gives_the_same_outputs(hf_dir) -> None:
     path, _ = hf_dir
     prompts = prompts_with_shared_prefixes(seed=3)
