@@ -207,7 +207,7 @@ class Scheduler:
                           and id(r) not in self._preempted_now), key=self._priority)
         admitting = True
         while budget > 0:
-            req = None
+            nxt: Request | None = None
             if admitting and self.waiting and len(self.running) < self.config.max_num_seqs:
                 i = next((k for k, r in enumerate(self.waiting) if r is first), None)
                 if i is None:
@@ -220,12 +220,12 @@ class Scheduler:
                         continue
                     del self.waiting[i]
                     self.running.append(cand)
-                    req = cand
-            if req is None:
+                    nxt = cand
+            if nxt is None:
                 if not pending:
                     break
-                req = pending.pop(0)
-            budget -= self._plan_prefill(req, budget, plan)
+                nxt = pending.pop(0)
+            budget -= self._plan_prefill(nxt, budget, plan)
         self._plan_decode_batch(decodes, plan)
         return plan
 
