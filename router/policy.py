@@ -10,9 +10,7 @@ per-replica longest cached prefix from the index (``None`` when the index could 
 3. ``spill``: every holder is overloaded -> the least loaded replica that is not; the local hint map
    records that the prefix now lives there too, so later requests of a hot prefix spread over both.
 4. ``cold_hash``: nobody holds it -> rendezvous (highest-random-weight) hashing on the first chunk hash,
-   skipping overloaded replicas, so one system prompt keeps landing on one replica. The owner counts as
-   the holder of the whole chain in the overload test (a router without a hint of its recent placements
-   would otherwise spill at the bare ``spill_abs`` what a router with one keeps). With ``cold_slack``
+   skipping overloaded replicas, so one system prompt keeps landing on one replica. With ``cold_slack``
    set (off by default), only the replicas within that many requests of the least load take part, which
    spreads new prefixes arriving together by load (with 4 tenants' prompts on 2 replicas, rendezvous alone
    puts 3 or 4 on one replica half the time) but depends on the load each router sees, so two ingress
@@ -180,11 +178,8 @@ class PrefixPolicy:
             return self._decision(holders[0], "redis_down" if down else "prefix_hit", eff, replicas)
         order = sorted(replicas, key=lambda r: rendezvous_weight(chain[0], r.replica_id), reverse=True)
         slack = self.config.cold_slack
-        # The rendezvous owner is where every router sends this prefix until the index shows it: it is judged
-        # overloaded as the holder of the whole chain will be (the same threshold a router with a hint uses),
-        # so a second router does not spill (and recompute) a prefix the first has just placed.
         pick = next((r for r in order if (slack is None or r.ongoing <= min_load + slack)
-                     and not self._overloaded(r, min_load, len(chain) if r is order[0] else 0)), order[0])
+                     and not self._overloaded(r, min_load)), order[0])
         return self._decision(pick, "redis_down" if down else "cold_hash", eff, order)
 
     def _least_loaded(self, replicas: Sequence[ReplicaLoad], reason: str, eff: dict[str, int]) -> Decision:

@@ -97,23 +97,6 @@ def test_cold_prefix_skips_overloaded_rendezvous_owner() -> None:
     assert d.replica_id != owner and d.reason == "cold_hash"
 
 
-def test_routers_with_and_without_a_hint_agree_on_a_cold_prefix_under_load() -> None:
-    """A router that just placed a new 16-chunk prefix has a hint (the owner holds the chain for it); another
-    router only sees the cold prefix. Both keep it on the rendezvous owner at an imbalance of 9 (below
-    4 + 0.5 * 16) instead of the second one spilling it, recomputing the whole prompt elsewhere, and both
-    spill at 12."""
-    chain = hash_chain(list(range(128)), 8, b"tenant-b")  # 16 chunks
-    owner = max(("r0", "r1"), key=lambda r: rendezvous_weight(chain[0], r))
-    other = "r0" if owner == "r1" else "r1"
-    for load, spills in ((9, False), (12, True)):
-        loads = [ReplicaLoad(owner, load), ReplicaLoad(other, 0)]
-        hinted = PrefixPolicy()
-        hinted.record(chain, owner)
-        with_hint = hinted.decide(loads, chain, {}).replica_id
-        without = PrefixPolicy().decide(loads, chain, {}).replica_id
-        assert with_hint == without == (other if spills else owner), (load, with_hint, without)
-
-
 def test_with_cold_slack_0_cold_prefixes_arriving_together_spread_over_the_replicas() -> None:
     """4 new prompts at once on 2 replicas: each goes to a least loaded replica (rendezvous among those),
     2 and 2, instead of rendezvous alone (3 or 4 on one replica for half of all prompt sets)."""
