@@ -35,13 +35,14 @@ def _hf_logprobs(model: LlamaForCausalLM, prompt: list[int], out: list[int]) -> 
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_logprobs_match_hf_under_eviction_preemption_and_token_level_reuse(model_dir, seed: int) -> None:
+@pytest.mark.parametrize(("seed", "backend"), [(s, "torch") for s in range(6)] + [(s, "paged-torch") for s in range(2)])
+def test_logprobs_match_hf_under_eviction_preemption_and_token_level_reuse(model_dir, seed: int,
+                                                                           backend: str) -> None:
     path, hf = model_dir
     rng = random.Random(seed)
     bases = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(40, 140))] for _ in range(3)]
     llm = LLM(model=path, chunk_size=16, num_kv_chunks=rng.choice([14, 18, 24]),
-              max_num_batched_tokens=rng.choice([32, 48, 512]), dtype="float32")
+              max_num_batched_tokens=rng.choice([32, 48, 512]), dtype="float32", attention_backend=backend)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
     worst = 0.0
     for _round in range(4):
