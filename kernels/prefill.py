@@ -134,10 +134,7 @@ def prefill_torch(
         pieces = _segments(tables[b], tokens[b], c, length)
         qrow = q[cu[b] : cu[b + 1]].float()  # [n_b, Hq, D]
         if starts[b] == 0 and len(pieces) == 1:  # nothing cached: plain causal attention
-            k, v = _piece(k_pool_l, pieces[0]), _piece(v_pool_l, pieces[0])  # [Hkv, L, D]
-            qb = qrow.view(n_b, hkv, g, d).permute(2, 1, 0, 3)  # [g, Hkv, n_b, D]
-            o, _lse = partial_attention(qb, k.unsqueeze(0).expand(g, -1, -1, -1),
-                                        v.unsqueeze(0).expand(g, -1, -1, -1), scale, causal=True)
+            o, _lse = _causal_square(qrow, _piece(k_pool_l, pieces[0]), _piece(v_pool_l, pieces[0]), g, scale)
             out[cu[b] : cu[b + 1]] = o.permute(2, 1, 0, 3).reshape(n_b, hq, d).to(q.dtype)
             continue
         qb = qrow.view(n_b, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n_b, d)  # row gi*n_b + i
@@ -153,14 +150,25 @@ def prefill_torch(
     return out
 
 
+def _causal_square(qrow: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: int, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's n new tokens over their own n keys, causal. qrow: [n, Hq, D] fp32; k, v: [Hkv, n, D] ->
+    o [g, Hkv, n, D], lse [g, Hkv, n]: queries laid out so that row index = position, so the kernel skips the
+    masked half (each GQA group shares its KV head through an expand, not a copy)."""
+    n, hq, d = qrow.shape
+    hkv = k.shape[0]
+    qg = qrow.view(n, hkv, g, d).permute(2, 1, 0, 3)  # [g, Hkv, n, D]
+    return partial_attention(qg, k.unsqueeze(0).expand(g, -1, -1, -1), v.unsqueeze(0).expand(g, -1, -1, -1),
+                             scale, causal=True)
+
+
 def _row_parts(qb: torch.Tensor, qrow: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor,
                pieces: list[tuple[int, int, int, list[int]]], start: int, n_b: int, g: int, scale: float
                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Partial (o, lse) of one row over its key pieces, each [1, Hkv, g*n_b, D] / [1, Hkv, g*n_b].
 
     Keys before ``start`` (the cached prefix) are seen by every new token: no mask. When the new tokens'
-    keys are one view, they are one square causal call (the kernel skips the masked half; queries laid out
-    [g, Hkv, n_b, D] so that row index = position); otherwise each piece holding new keys gets a mask.
+    keys are one view, they are one `_causal_square` call; otherwise each piece holding new keys gets a mask.
     """
     hkv, _n, _c, d = k_pool_l.shape
     q_pos = None
@@ -173,10 +181,7 @@ def _row_parts(qb: torch.Tensor, qrow: torch.Tensor, k_pool_l: torch.Tensor, v_p
         if cut == n:
             continue
         if k0 + cut == start and n - cut == n_b:  # exactly the new tokens: square causal
-            qg = qrow.view(n_b, hkv, g, d).permute(2, 1, 0, 3)  # [g, Hkv, n_b, D]
-            kn = k[:, :, cut:].expand(g, -1, -1, -1)
-            vn = v[:, :, cut:].expand(g, -1, -1, -1)
-            o, lse = partial_attention(qg, kn, vn, scale, causal=True)  # [g, Hkv, n_b, D], [g, Hkv, n_b]
+            o, lse = _causal_square(qrow, k[0, :, cut:], v[0, :, cut:], g, scale)
             yield (o.permute(1, 0, 2, 3).reshape(1, hkv, g * n_b, d),
                    lse.permute(1, 0, 2).reshape(1, hkv, g * n_b))
             continue

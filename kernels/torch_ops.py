@@ -79,11 +79,12 @@ def partial_attention(
 def _drop_empty_rows(o: torch.Tensor, lse: torch.Tensor, bias: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """A query row whose keys are all masked is an empty partial: o = 0, lse = -inf (ATen's flash kernel
-    returns lse = 0 for it, the matmul path o = NaN; either would corrupt a log-sum-exp merge)."""
+    returns lse = 0 for it, the matmul path o = NaN; either would corrupt a log-sum-exp merge). In place:
+    both come fresh from the kernel."""
     if bias is None:
         return o, lse
     empty = torch.isneginf(bias).all(dim=-1)  # broadcastable to lse: [B, H, M]
-    return o.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
+    return o.masked_fill_(empty.unsqueeze(-1), 0.0), lse.masked_fill_(empty, float("-inf"))
 
 
 def _partial_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None

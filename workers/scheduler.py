@@ -206,12 +206,14 @@ class Scheduler:
         pending = sorted((r for r in self.running if r.prefilling and id(r) not in in_decode
                           and id(r) not in self._preempted_now), key=self._priority)
         admitting = True
+        i, n_wait = -1, 0  # the waiting request next in line: picked again only when the queue changed
         while budget > 0:
             nxt: Request | None = None
             if admitting and self.waiting and len(self.running) < self.config.max_num_seqs:
-                i = next((k for k, r in enumerate(self.waiting) if r is first), None)
-                if i is None:
-                    i = self.fair.pick(self.waiting)
+                if i < 0 or n_wait != len(self.waiting):  # a preempted prefill piece requeues its request
+                    n_wait = len(self.waiting)
+                    i = next((k for k, r in enumerate(self.waiting) if r is first), -1)
+                    i = i if i >= 0 else self.fair.pick(self.waiting)
                 cand = self.waiting[i]
                 if cand is first or not pending or self._priority(cand) < self._priority(pending[0]):
                     first = None
@@ -220,7 +222,7 @@ class Scheduler:
                         continue
                     del self.waiting[i]
                     self.running.append(cand)
-                    nxt = cand
+                    nxt, i = cand, -1
             if nxt is None:
                 if not pending:
                     break
