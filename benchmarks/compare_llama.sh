@@ -16,7 +16,9 @@
 #   OUT_DIR              default results/compare_llama
 #   further arguments go to `chunkserve bench serve` after the workload's flags and override them, e.g. a
 #   smoke run: ... results/smoke --requests-per-tenant 2 --max-tokens 16 --single 1
-#   env: THREADS (llama.cpp -t, default: all cores), CHUNKSERVE_ARGS (extra `chunkserve up` flags, e.g.
+#   env: LLAMA_ARGS (llama.cpp slots and cache, default "-np 32 -c 45056 -no-kvu": one 1,408-token slot per
+#        chat; "-np 32 -c 45056 -kvu" shares one KV buffer and its prompt cache between the slots),
+#        THREADS (llama.cpp -t, default: all cores), CHUNKSERVE_ARGS (extra `chunkserve up` flags, e.g.
 #        "--quantization int8" or "--dtype float32"), SINGLE (lone-stream runs, default 3), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +47,6 @@ exec "$PY" -m chunkserve.cli bench serve \
   --endpoint "chunkserve=http://127.0.0.1:$HTTP" \
   --launch "chunkserve=$PY -m chunkserve.cli up --http-port $HTTP --grpc-port $GRPC ${CHUNKSERVE_ARGS:-}" \
   --endpoint "llama=http://127.0.0.1:$LLAMA" \
-  --launch "llama=$BIN -m $GGUF --host 127.0.0.1 --port $LLAMA -np 32 -c 45056 -no-kvu -t ${THREADS:-$(nproc)}" \
+  --launch "llama=$BIN -m $GGUF --host 127.0.0.1 --port $LLAMA ${LLAMA_ARGS:--np 32 -c 45056 -no-kvu} -t ${THREADS:-$(nproc)}" \
   --tenants 4 --requests-per-tenant 8 --system-tokens 1000 --max-tokens 64 --temperature 0 \
   --passes 2 --single "${SINGLE:-3}" --vs chunkserve,llama --json "$OUT/compare_llama.json" "$@"
