@@ -33,9 +33,6 @@ WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel
          "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango")
 
 
-global_model = ["default"]  # the served model's name, read from /v1/models
-
-
 @dataclass
 class Result:
     tenant: str
@@ -57,10 +54,10 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
-async def one(client: httpx2.AsyncClient, key: str, words: int, rng: random.Random, res: Result,
+async def one(client: httpx2.AsyncClient, model: str, key: str, words: int, rng: random.Random, res: Result,
               deadline: float) -> None:
     prompt = " ".join(rng.choice(WORDS) + str(rng.randrange(1000)) for _ in range(words))
-    body = {"model": global_model[0], "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.monotonic()
     first = None
@@ -100,7 +97,7 @@ async def run_load(url: str, tenants: dict[str, tuple[str, float, int]], duratio
     limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx2.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         r = await client.get("/v1/models", headers={"Authorization": f"Bearer {next(iter(tenants.values()))[0]}"})
-        global_model[0] = r.json()["data"][0]["id"]
+        model = r.json()["data"][0]["id"]  # the served model's name
         t0 = time.monotonic()
         deadline = t0 + duration + 30  # requests finishing in the drain count for throughput
         tasks: list[asyncio.Task] = []
@@ -109,7 +106,7 @@ async def run_load(url: str, tenants: dict[str, tuple[str, float, int]], duratio
             local = random.Random(rng.random())
             while time.monotonic() - t0 < duration:
                 await asyncio.sleep(local.expovariate(rate))
-                tasks.append(asyncio.create_task(one(client, key, words, local, results[name], deadline)))
+                tasks.append(asyncio.create_task(one(client, model, key, words, local, results[name], deadline)))
 
         await asyncio.gather(*(source(n, k, rt, w) for n, (k, rt, w) in tenants.items()))
         _, pending = await asyncio.wait(tasks, timeout=30) if tasks else (set(), set())
@@ -142,9 +139,9 @@ def wait_ready(url: str, key: str, timeout: float = 900) -> None:
         try:
             r = httpx2.get(url + "/v1/models", headers=auth, timeout=10)
             if r.status_code == 200:
-                global_model[0] = r.json()["data"][0]["id"]
+                model = r.json()["data"][0]["id"]
                 r = httpx2.post(url + "/v1/chat/completions", timeout=300, headers=auth,
-                                json={"model": global_model[0], "max_tokens": 1,
+                                json={"model": model, "max_tokens": 1,
                                       "messages": [{"role": "user", "content": "hi"}]})
                 if r.status_code == 200:
                     return
