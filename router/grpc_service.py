@@ -16,6 +16,7 @@ client's fault is INTERNAL ("internal error"), UNAVAILABLE (no worker) with ``re
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
@@ -154,10 +155,11 @@ class GrpcServiceMixin:
 
     async def _grpc_prepare(self: Any, raw: bytes | pb.GenerateRequest, grpc_context: Any, stream: bool
                             ) -> tuple[pb.GenerateRequest, Any]:
+        received = time.time()
         tenant = self.authenticate_metadata(grpc_context.invocation_metadata())
         request = parse_message(raw, self.config.max_body_bytes)
         req = to_openai_request(self, request, stream)
-        return request, await self.prepare(tenant, req, self.new_request_id("grpc"))
+        return request, await self.prepare(tenant, req, self.new_request_id("grpc"), received)
 
     async def Generate(self: Any, request: bytes | pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
         """Unary generate: the whole completion and its usage."""

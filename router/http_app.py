@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
@@ -135,9 +136,10 @@ def create_app(ingress: Ingress) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        received = time.time()
         tenant = ingress.authenticate(request.headers.get("authorization"))
         req = parse_request(await _read_body(request, max_body), CompletionRequest, max_body)
-        prep = await ingress.prepare(tenant, req, ingress.new_request_id("cmpl"))
+        prep = await ingress.prepare(tenant, req, ingress.new_request_id("cmpl"), received)
         if req.stream:
             return await _start_stream(ingress, prep, _completion_events(ingress, prep))
         text, _tokens, last = await _collect_unless_disconnected(request, ingress, prep)
@@ -147,9 +149,10 @@ def create_app(ingress: Ingress) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        received = time.time()
         tenant = ingress.authenticate(request.headers.get("authorization"))
         req = parse_request(await _read_body(request, max_body), ChatCompletionRequest, max_body)
-        prep = await ingress.prepare(tenant, req, ingress.new_request_id("chatcmpl"))
+        prep = await ingress.prepare(tenant, req, ingress.new_request_id("chatcmpl"), received)
         if req.stream:
             return await _start_stream(ingress, prep, _chat_events(ingress, prep))
         text, _tokens, last = await _collect_unless_disconnected(request, ingress, prep)

@@ -217,8 +217,10 @@ class Ingress(GrpcServiceMixin):
             raise APIError(400, str(e), code="invalid_value") from None
 
     async def prepare(self, tenant: Tenant, req: CompletionRequest | ChatCompletionRequest,
-                      request_id: str) -> Prepared:
-        """Every check before the engine runs; raises APIError (4xx). Holds a lease on success."""
+                      request_id: str, received: float | None = None) -> Prepared:
+        """Every check before the engine runs; raises APIError (4xx). Holds a lease on success. ``received``
+        (wall clock, default now) is when the frontend got the request: workers queue by it, so a request
+        held up here (a busy replica reading its body) keeps its place before later arrivals."""
         t0 = time.monotonic()
         if self.draining:
             raise self.unavailable("this server is shutting down; retry on another replica")
@@ -240,7 +242,7 @@ class Ingress(GrpcServiceMixin):
             raise
         greq = GenerateRequest(request_id=request_id, prompt_token_ids=tuple(ids), sampling=sampling,
                                cache_salt=tenant.cache_salt, tenant=tenant.id, weight=tenant.weight,
-                               cache_pin=pin)
+                               cache_pin=pin, arrival_time=time.time() if received is None else received)
         return Prepared(tenant=tenant, lease=lease, request=greq, chunk_hashes=hashes, model=req.model,
                         created=int(time.time()), t0=t0, include_usage=req.include_usage)
 

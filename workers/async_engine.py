@@ -182,7 +182,8 @@ class AsyncEngine:
                     if not isinstance(req.sampling, SamplingParams):
                         raise InvalidSamplingError(f"sampling must be SamplingParams, got {type(req.sampling)}")
                     core.add_request(req.request_id, list(req.prompt_token_ids), req.sampling, req.cache_salt,
-                                     tenant=req.tenant, weight=req.weight, cache_pin=req.cache_pin)
+                                     tenant=req.tenant, weight=req.weight, cache_pin=req.cache_pin,
+                                     arrival_time=req.arrival_time)
                     self._tenants[req.request_id] = req.tenant
                 except EngineError as e:
                     failed.append((req.request_id, e))

@@ -28,6 +28,8 @@ from chunkserve.workers.sampling import SamplingParams
 from chunkserve.workers.scheduler import Request, Scheduler, SchedulerConfig
 from chunkserve.workers.weights import LoadedModel, load_model
 
+MAX_QUEUE_AGE_S = 60.0  # a request's frontend arrival stamp counts at most this far back
+
 
 class EngineCore:
     """Step loop over continuous batches; see the module docstring."""
@@ -74,8 +76,10 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     salt: bytes = b"", tenant: str = "public", weight: float = 1.0,
-                    cache_pin: PinSpec | None = None) -> Request:
-        """Queue a request; raises ValueError (for this request only) if it can never be served."""
+                    cache_pin: PinSpec | None = None, arrival_time: float | None = None) -> Request:
+        """Queue a request; raises ValueError (for this request only) if it can never be served.
+        ``arrival_time`` (wall clock) places it in the queue by when the frontend received it (a stamp in
+        the future counts as now, one more than `MAX_QUEUE_AGE_S` old as that old)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         ids = [int(t) for t in prompt_token_ids]
@@ -90,7 +94,8 @@ class EngineCore:
         usable = self.cache.pool.num_chunks - self.cache.num_pinned_chunks
         if -(-(len(ids) + 1) // c) - self.cache.pinned_prefix_chunks(ids, salt) > usable:  # its pinned prefix is no cost
             raise KVPoolTooSmallError(f"prompt of {len(ids)} tokens does not fit the KV pool ({usable * c} tokens)")
-        req = Request(request_id, ids, params, salt, arrival=time.monotonic(), tenant=tenant, weight=weight,
+        age = 0.0 if arrival_time is None else min(max(0.0, time.time() - arrival_time), MAX_QUEUE_AGE_S)
+        req = Request(request_id, ids, params, salt, arrival=time.monotonic() - age, tenant=tenant, weight=weight,
                       pin=cache_pin)
         self.scheduler.add(req)  # first: it may refuse the pin (PinRefusedError) before anything is kept
         self._requests[request_id] = req

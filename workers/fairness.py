@@ -25,7 +25,7 @@ from typing import Protocol
 class HasTenant(Protocol):
     tenant: str
     weight: float
-    seq: int  # arrival order
+    seq: tuple[float, int]  # queue order: (arrival, add order)
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class FairShare:
         t.queue_time_s += max(0.0, waited_s)
         t.admitted += 1
 
-    def key(self, req: HasTenant) -> tuple[float, float, int]:
+    def key(self, req: HasTenant) -> tuple[float, float, tuple[float, int]]:
         """Priority of a request (smaller first): (tenant counter, recent service, arrival) with VTC, else
         (0, 0, arrival). Recent service (decayed over ``window_s``) breaks ties between tenants: a tenant back
         from idle is lifted to the busy tenants' lowest counter, and then goes before the one that was served

@@ -103,6 +103,15 @@ class PrefixTree:
                 best, best_n = cand, n
         return path, best, best_n
 
+    def match_held(self, token_ids: Seq[int] | np.ndarray, salt: bytes = b"") -> tuple[int, int]:
+        """``(cached tokens, evictable chunks among them)``: the cached prefix a new sequence would reuse, and
+        how many of its chunks stop being evictable once the sequence takes refs on them (room that
+        admission must not count on)."""
+        tokens = check_tokens(token_ids)
+        path, head, n = self._walk_head(tokens, salt)
+        held = path + [head] if head is not None and n == len(head.tokens) else path
+        return len(path) * self.chunk_size + n, sum(1 for node in held if node.ref == 0 and not node.pinned)
+
     # ------------------------------------------------------------------ refcounts and LRU
     def _touch(self) -> int:
         self._tick += 1

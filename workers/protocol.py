@@ -85,6 +85,7 @@ class GenerateRequest:
     tenant: str = "public"
     weight: float = 1.0  # the tenant's fair-share weight (workers/fairness.py)
     cache_pin: PinSpec | None = None  # cache_control: pin the marked prefix (workers/pins.py)
+    arrival_time: float | None = None  # wall-clock time the frontend received it (queue order); None: now
 
 
 @dataclass

@@ -59,7 +59,7 @@ class Request:
     tenant: str = "public"
     weight: float = 1.0  # fair-share weight of the tenant
     pin: PinSpec | None = None  # cache_control: pin the prompt's first pin.num_tokens tokens
-    seq: int = -1  # arrival order (kept across preemptions)
+    seq: tuple[float, int] = (0.0, -1)  # queue order: (arrival, add order), kept across preemptions
     admit_time: float | None = None  # first admission (monotonic)
     pinned_tokens: int = 0  # tokens pinned (or renewed) for this request
     cache_creation_tokens: int = 0  # pinned prefix tokens this request computed (not read from the cache)
@@ -152,8 +152,8 @@ class Scheduler:
                 req.pin = None
         busy = {r.tenant for r in self.waiting} | {r.tenant for r in self.running}
         self.fair.arrive(req.tenant, req.weight, busy)
-        req.seq = next(self._seq)
-        self.waiting.append(req)
+        req.seq = (req.arrival, next(self._seq))
+        bisect.insort(self.waiting, req, key=lambda r: r.seq)  # after the queue's later arrivals: ahead of them
 
     def _requeue(self, req: Request) -> None:
         """Back into the waiting queue at its arrival position."""
@@ -180,7 +180,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ planning
-    def _priority(self, req: Request) -> tuple[float, float, int]:
+    def _priority(self, req: Request) -> tuple[float, float, tuple[float, int]]:
         """Smaller runs first: (tenant's virtual token counter, its recent service, arrival) under fair share,
         else arrival."""
         return self.fair.key(req)
@@ -284,13 +284,15 @@ class Scheduler:
         need_tokens = len(tokens)
         if req.output:  # a preempted request recomputes prompt + output[:-1], then decodes output[-1]
             need_tokens += 1
-        cached = self.cache.match(tokens, req.salt)
+        cached, held = self.cache.match_held(tokens, req.salt)
         c = self.cache.chunk_size
         # the rest of the prompt plus the first decode slot, and a copy-on-write of a partly cached chunk
         # (the same bound as the engine's KVPoolTooSmallError check, so a request that passed it is admitted
-        # once the pool is otherwise empty)
+        # once the pool is otherwise empty); while others run, its own cached chunks are no room once it holds
+        # them (counting them let a preempted request back in each step, to be preempted by the next decode)
         need_chunks = -(-(need_tokens - cached + 1) // c) + (1 if cached % c else 0)
-        if need_chunks + self._reserved_chunks() > self.cache.pool.num_free + self.cache.num_evictable:
+        room = self.cache.pool.num_free + self.cache.num_evictable - (held if self.running else 0)
+        if need_chunks + self._reserved_chunks() > room:
             return False
         # A fully cached prompt stays shared: its last token then runs as a logits-only row (no K/V write).
         req.seq_id, got = self.cache.reserve(tokens, req.salt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -215,3 +216,20 @@ def test_prepack_weights_option_controls_the_packed_copy_and_outputs_agree(hf_di
         pytest.skip("this CPU/ATen build has no oneDNN packed linear")
     assert [o.token_ids for o in packed.generate(prompts, GREEDY)] == [
         o.token_ids for o in plain.generate(prompts, GREEDY)]
+
+
+def test_requests_queue_by_their_frontend_arrival_stamp_not_by_when_they_reach_the_engine(hf_dir) -> None:
+    path, _ = hf_dir
+    core = EngineCore(EngineConfig(model=path, chunk_size=16, num_kv_chunks=64, max_num_seqs=1))
+    now = time.time()
+    core.add_request("late", [3] * 20, GREEDY, arrival_time=now)
+    core.add_request("early", [4] * 20, GREEDY, arrival_time=now - 2.0)  # held up upstream for 2 s
+    core.add_request("future", [5] * 20, GREEDY, arrival_time=now + 100.0)  # a skewed clock counts as now
+    core.add_request("ancient", [6] * 20, GREEDY, arrival_time=now - 10_000.0)  # counted as MAX_QUEUE_AGE_S
+    first: list[str] = []
+    while core.has_work():
+        for out in core.step():
+            if out.req.request_id not in first and out.req.output:
+                first.append(out.req.request_id)
+    assert first == ["ancient", "early", "late", "future"]
+    assert core.scheduler.num_preemptions == 0
