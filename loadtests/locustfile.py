@@ -46,7 +46,9 @@ from workload import (  # noqa: E402
     build_workload,
     load_tokenizer,
     parse_lengths,
+    parse_rates,
     read_api_keys,
+    user_rate,
 )
 
 METRIC = "METRIC"
@@ -73,6 +75,9 @@ def _options(parser: Any) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer.json or checkpoint dir: exact prompt lengths")
     g.add_argument("--arrival", choices=("closed", "poisson"), default="closed")
     g.add_argument("--rate", type=float, default=1.0, help="poisson: total requests/s over all users")
+    g.add_argument("--tenant-rates", default="", help="poisson: relative request rates per tenant, comma-separated, "
+                   "round-robin like --prompt-tokens (e.g. 10,1: a heavy and a light tenant; 0: a tenant that "
+                   "sends nothing); default equal")
     g.add_argument("--think-time", type=float, default=1.0, help="closed: mean think time (s), exponential")
     g.add_argument("--max-inflight", type=int, default=8, help="poisson: open requests per user at most")
     g.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let open requests finish")
@@ -86,6 +91,7 @@ class RunState:
     tenants: list[TenantWorkload]
     tokenizer: Tokenizer | None
     opts: Any
+    rates: tuple[float, ...]  # relative request rate per tenant (poisson)
     user_ids: itertools.count = field(default_factory=itertools.count)
     inflight: Group = field(default_factory=Group)
     log: IO[str] | None = None
@@ -135,7 +141,8 @@ def _build(environment: Environment, **_: Any) -> None:
         raise ValueError("--max-tokens, --rate and --max-inflight must be positive, --think-time >= 0")
     tok = load_tokenizer(o.tokenizer) if o.tokenizer else None
     log = open(o.request_log, "a", encoding="utf-8") if o.request_log else None  # noqa: SIM115
-    environment.chunkserve_state = RunState(build_workload(cfg, tok), tok, o, log=log)  # type: ignore[attr-defined]
+    rates = parse_rates(o.tenant_rates, n)
+    environment.chunkserve_state = RunState(build_workload(cfg, tok), tok, o, rates, log=log)  # type: ignore[attr-defined]
 
 
 @events.test_stop.add_listener
@@ -167,7 +174,8 @@ class _TenantMixin:
     def _setup_tenant(self) -> None:
         st = state_of(self.environment)
         uid = next(st.user_ids)
-        self.tenant = st.tenants[uid % len(st.tenants)]
+        self.tenant_index = uid % len(st.tenants)
+        self.tenant = st.tenants[self.tenant_index]
         self.rng = random.Random(st.opts.workload_seed * 7919 + uid)
         self.opts = st.opts
         self.inflight = Group()
@@ -186,16 +194,23 @@ class _TenantMixin:
             msgs.append({"role": "user", "content": question})
         return msgs
 
+    def _rate(self) -> float:
+        """poisson: this user's requests/s (its tenant's share of ``--rate`` over the tenant's users)."""
+        users = max(1, int(getattr(self.opts, "num_users", None) or 1))
+        return user_rate(self.opts.rate, state_of(self.environment).rates, self.tenant_index, users)
+
     def wait_time(self) -> float:
         o = self.opts
         if o.arrival == "poisson":
-            users = max(1, int(getattr(o, "num_users", None) or 1))
-            return self.rng.expovariate(o.rate / users)
+            rate = self._rate()
+            return self.rng.expovariate(rate) if rate > 0 else 3600.0  # a silent tenant's users idle
         return self.rng.expovariate(1.0 / o.think_time) if o.think_time > 0 else 0.0
 
     def _arrive(self, fn: Any) -> None:
         """Runs one request: in the background (poisson, open loop) or waiting for it (closed loop)."""
         st = state_of(self.environment)
+        if self.opts.arrival == "poisson" and self._rate() == 0:
+            return  # a tenant with rate 0 sends nothing (locust runs a task before the first wait)
         if self.opts.arrival == "poisson" and len(self.inflight) >= self.opts.max_inflight:
             self.environment.events.request.fire(request_type=METRIC, name="arrival_dropped", response_time=0,
                                                  response_length=0, exception=RuntimeError("in-flight cap"))

@@ -353,3 +353,27 @@ def parse_lengths(spec: str) -> tuple[int, ...]:
     if not out:
         raise ValueError("no prompt length given")
     return out
+
+
+def parse_rates(spec: str, num_tenants: int) -> tuple[float, ...]:
+    """'10,1' -> relative request rates per tenant, round-robin over ``num_tenants`` like the prompt lengths
+    ('' -> equal rates). Rates are >= 0 and at least one is positive."""
+    if not spec.strip():
+        return (1.0,) * num_tenants
+    try:
+        given = [float(x) for x in spec.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(f"tenant rates must be comma-separated numbers, got {spec!r}") from None
+    if not given or any(not r >= 0 or r == float("inf") for r in given) or not any(r > 0 for r in given):
+        raise ValueError(f"tenant rates must be finite, >= 0 and not all 0, got {spec!r}")
+    return tuple(given[i % len(given)] for i in range(num_tenants))
+
+
+def user_rate(total_rate: float, rates: tuple[float, ...], tenant: int, num_users: int) -> float:
+    """Requests/s of one user of tenant ``tenant`` (users are assigned to tenants round-robin) so that the
+    tenants together send ``total_rate`` split by ``rates``; 0 for a tenant with rate 0 or no users."""
+    n = len(rates)
+    users_of_tenant = len(range(tenant, max(num_users, 1), n))
+    if users_of_tenant == 0:
+        return 0.0
+    return total_rate * rates[tenant] / sum(rates) / users_of_tenant

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chunkserve.loadtests.workload import parse_rates
 from chunkserve.tools.loadtest_cluster import ClusterSpec, Endpoints, admin_key, local_cluster, write_tenants
 from chunkserve.tools.loadtest_metrics import (
     MetricsSampler,
@@ -49,6 +50,7 @@ class LoadSpec:
     duration_s: float = 60.0
     arrival: str = "closed"  # closed | poisson
     rate: float = 1.0  # poisson: requests/s in total
+    tenant_rates: str = ""  # poisson: relative rates per tenant ("10,1"); "": equal
     think_time_s: float = 1.0  # closed: mean think time
     max_inflight: int = 8
     tenants: int = 4
@@ -71,6 +73,7 @@ class LoadSpec:
             raise ValueError(f"arrival must be closed or poisson, got {self.arrival!r}")
         if not self.protocols or set(self.protocols) - {"http", "grpc"}:
             raise ValueError(f"protocols must be a subset of http,grpc, got {self.protocols}")
+        parse_rates(self.tenant_rates, self.tenants)  # raises on a bad list (before any cluster starts)
 
 
 def locust_command(ep: Endpoints, spec: LoadSpec, out_dir: Path, locustfile: Path = LOCUSTFILE) -> list[str]:
@@ -84,7 +87,8 @@ def locust_command(ep: Endpoints, spec: LoadSpec, out_dir: Path, locustfile: Pat
             "--sharing-ratio", str(spec.sharing_ratio), "--max-tokens", str(spec.max_tokens),
             "--questions", str(spec.questions), "--temperature", str(spec.temperature),
             "--endpoint", spec.endpoint, "--model", ep.model_name, "--workload-seed", str(spec.seed),
-            "--arrival", spec.arrival, "--rate", str(spec.rate), "--think-time", str(spec.think_time_s),
+            "--arrival", spec.arrival, "--rate", str(spec.rate), "--tenant-rates", spec.tenant_rates,
+            "--think-time", str(spec.think_time_s),
             "--max-inflight", str(spec.max_inflight), "--drain-timeout", str(spec.drain_timeout_s),
             "--request-log", str(out_dir / "requests.jsonl")]
     if ep.keys_path:
@@ -189,6 +193,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     c.add_argument("--workers", type=int, default=2)
     c.add_argument("--model", default=None, help="local HF dir or random:<preset>; default: embedded SmolLM2")
     c.add_argument("--engine", default=None, help="JSON of EngineConfig fields")
+    c.add_argument("--max-ongoing", type=int, default=None, help="worker max_ongoing_requests (AppConfig; "
+                   "fair share needs it well above max_num_seqs: requests over it wait in Serve's FIFO queue)")
     c.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray")
     c.add_argument("--startup-timeout", type=float, default=300.0)
     w = ap.add_argument_group("workload (see loadtests/locustfile.py)")
@@ -196,6 +202,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--duration", type=float, default=None, help="seconds of load (default 60; soak 600)")
     w.add_argument("--arrival", choices=("closed", "poisson"), default=None)
     w.add_argument("--rate", type=float, default=1.0, help="poisson: requests/s in total")
+    w.add_argument("--tenant-rates", default="", help="poisson: relative rates per tenant, e.g. 10,1 (default equal)")
     w.add_argument("--think-time", type=float, default=None, help="closed: mean think time (default 1; soak 0)")
     w.add_argument("--max-inflight", type=int, default=8)
     w.add_argument("--tenants", type=int, default=4)
@@ -227,7 +234,7 @@ def spec_from_args(a: argparse.Namespace) -> LoadSpec:
 
         tokenizer = str(embedded_checkpoint_dir())
     return LoadSpec(users=a.users or 8, duration_s=a.duration or (600.0 if a.soak else 60.0),
-                    arrival=a.arrival or "closed", rate=a.rate,
+                    arrival=a.arrival or "closed", rate=a.rate, tenant_rates=a.tenant_rates,
                     think_time_s=a.think_time if a.think_time is not None else (0.0 if a.soak else 1.0),
                     max_inflight=a.max_inflight, tenants=a.tenants, prompt_tokens=a.prompt_tokens,
                     sharing_ratio=a.sharing_ratio if a.sharing_ratio is not None else (0.75 if a.soak else 1.0),
@@ -276,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         tenants_path, keys_path = write_tenants(out_dir, spec.tenants)
         engine = json.loads(a.engine) if a.engine else {}
         cspec = ClusterSpec(workers=a.workers, model=a.model, engine=engine, num_cpus=a.num_cpus,
-                            startup_timeout_s=a.startup_timeout)
+                            startup_timeout_s=a.startup_timeout, max_ongoing_requests=a.max_ongoing)
         with local_cluster(cspec, tenants_path, keys_path) as ep:
             ep = Endpoints(ep.http_url, ep.grpc_target, ep.keys_path, True, a.model_name)
             res = run_load(ep, spec, out_dir, a.sample_interval, settle_s=15.0 if a.soak else 5.0)

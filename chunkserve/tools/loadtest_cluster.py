@@ -27,6 +27,7 @@ class ClusterSpec:
     engine: dict[str, Any] = field(default_factory=dict)
     num_cpus: int | None = None
     startup_timeout_s: float = 300.0
+    max_ongoing_requests: int | None = None  # per worker replica; None: AppConfig's default
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,9 @@ def local_cluster(spec: ClusterSpec, tenants_path: Path | None, keys_path: Path 
     with launcher.redis_for(None) as redis_url:
         cfg = AppConfig(workers=spec.workers, model=spec.model or None, engine=dict(spec.engine or {}),
                         tenants=str(tenants_path) if tenants_path is not None else None, redis_url=redis_url,
-                        node_cpus=spec.num_cpus or None)
+                        node_cpus=spec.num_cpus or None,
+                        **({} if spec.max_ongoing_requests is None else
+                           {"max_ongoing_requests": spec.max_ongoing_requests}))
         try:
             t0 = time.monotonic()
             launcher.start(cfg, opts)

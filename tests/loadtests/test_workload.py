@@ -127,3 +127,26 @@ def test_generated_tenants_file_carries_an_admin_key_for_metrics(tmp_path) -> No
     assert admin is not None and reg.is_admin(f"Bearer {admin}")
     keys = json.loads(keys_path.read_text())
     assert len(keys) == 3 and not any(reg.is_admin(f"Bearer {k}") for k in keys.values())
+
+
+def test_tenant_rates_split_the_poisson_rate_by_tenant_and_reject_bad_lists(wl: ModuleType) -> None:
+    rates = wl.parse_rates("10,1", 2)
+    assert rates == (10.0, 1.0)
+    assert wl.parse_rates("", 3) == (1.0, 1.0, 1.0)
+    assert wl.parse_rates("2,1", 4) == (2.0, 1.0, 2.0, 1.0)  # round-robin like --prompt-tokens
+    users = 6  # users 0, 2, 4 -> tenant 0 (heavy); 1, 3, 5 -> tenant 1 (light)
+    per_user = [wl.user_rate(16.5, rates, u % 2, users) for u in range(users)]
+    assert sum(per_user[0::2]) == pytest.approx(15.0) and sum(per_user[1::2]) == pytest.approx(1.5)
+    assert wl.user_rate(16.5, (1.0, 0.0), 1, users) == 0.0  # a silent tenant
+    assert wl.user_rate(5.0, (1.0, 1.0, 1.0), 2, 2) == 0.0  # a tenant without users
+    for bad in ("1,x", "0,0", "-1,2", "inf", "nan"):
+        with pytest.raises(ValueError):
+            wl.parse_rates(bad, 2)
+
+
+def test_loadspec_refuses_bad_tenant_rates_before_any_cluster_starts() -> None:
+    from chunkserve.tools.loadtest import LoadSpec
+
+    with pytest.raises(ValueError, match="tenant rates"):
+        LoadSpec(tenants=2, tenant_rates="0,0")
+    assert LoadSpec(tenants=2, tenant_rates="10,1").tenant_rates == "10,1"
