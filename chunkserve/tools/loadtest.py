@@ -17,6 +17,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkserve.loadtests.workload import parse_rates
 from chunkserve.tools.loadtest_cluster import ClusterSpec, Endpoints, admin_key, local_cluster, write_tenants
 from chunkserve.tools.loadtest_metrics import (
     MetricsSampler,
@@ -73,7 +73,14 @@ class LoadSpec:
             raise ValueError(f"arrival must be closed or poisson, got {self.arrival!r}")
         if not self.protocols or set(self.protocols) - {"http", "grpc"}:
             raise ValueError(f"protocols must be a subset of http,grpc, got {self.protocols}")
-        parse_rates(self.tenant_rates, self.tenants)  # raises on a bad list (before any cluster starts)
+        if self.tenant_rates.strip():  # the locustfile's rule, checked before any cluster starts
+            try:
+                rates = [float(x) for x in self.tenant_rates.split(",") if x.strip()]
+            except ValueError:
+                rates = []
+            if not rates or not all(0 <= r < math.inf for r in rates) or max(rates) <= 0:
+                raise ValueError(f"tenant rates must be comma-separated finite numbers >= 0, not all 0: "
+                                 f"got {self.tenant_rates!r}")
 
 
 def locust_command(ep: Endpoints, spec: LoadSpec, out_dir: Path, locustfile: Path = LOCUSTFILE) -> list[str]:
