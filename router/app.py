@@ -91,6 +91,10 @@ class AppConfig(BaseModel):
     # per interval of up to this many tokens (0 ms: one item per token).
     stream_interval_ms: float = Field(20.0, ge=0.0, le=1000.0)
     stream_max_tokens: int = Field(16, ge=1)
+    # a worker's stream-item budget: with more streams in flight than this many per second, each stream's
+    # interval stretches (up to stream_max_interval_ms); 0 keeps the interval fixed (workers/streaming.py)
+    stream_items_per_s: float = Field(40.0, ge=0.0)
+    stream_max_interval_ms: float = Field(200.0, ge=0.0, le=1000.0)
     # Engine threads when engine.num_threads is unset: (node cores - reserved_cpus) // workers_per_node, >= 1.
     # workers_per_node None: all workers on one node (`workers`, or the autoscaling max_replicas).
     workers_per_node: int | None = Field(None, ge=1)
@@ -229,7 +233,8 @@ def build_app(cfg: AppConfig) -> Any:
                                          max_ongoing_requests=cfg.max_ongoing_requests,
                                          request_router_class=cfg.request_router,
                                          graceful_shutdown_timeout_s=cfg.drain_grace_s)
-    batching = {"interval_s": cfg.stream_interval_ms / 1000.0, "max_tokens": cfg.stream_max_tokens}
+    batching = {"interval_s": cfg.stream_interval_ms / 1000.0, "max_tokens": cfg.stream_max_tokens,
+                "items_per_s": cfg.stream_items_per_s, "max_interval_s": cfg.stream_max_interval_ms / 1000.0}
     worker = worker_cls.bind(engine, redis_url, cfg.lease_ttl_s, cfg.namespace, batching, cfg.thread_rule())
     ingress_cls = serve.deployment(name="Ingress", num_replicas=cfg.ingress_replicas, max_ongoing_requests=2048,
                                    ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=cfg.drain_grace_s,

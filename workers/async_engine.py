@@ -67,6 +67,7 @@ class AsyncEngine:
         self._dead: str | None = None  # why the engine no longer takes requests
         self.forest_usage = ForestUsage()  # per-chunk hits / tenants for the dashboard (engine thread)
         self._tenants: dict[str, str] = {}  # request id -> tenant, until its first token (engine thread)
+        self._streaming = 0  # requests that got a token in the last step (the engine thread writes it)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chunkserve-engine", daemon=True)
@@ -90,7 +91,7 @@ class AsyncEngine:
         finished = False
         try:
             if batching is not None and batching.enabled:
-                async with aclosing(coalesce(sink, batching)) as items:
+                async with aclosing(coalesce(sink, batching, lambda: self._streaming)) as items:
                     async for item in items:
                         finished = item.finish_reason is not None
                         yield item
@@ -255,6 +256,7 @@ class AsyncEngine:
                     num_output_tokens=n_out, finish_reason=out.finish_reason, logprobs=out.logprobs,
                     first_token_time=req.first_token_time if n_out == 1 else None, extra={"time": now},
                     num_cache_creation_tokens=req.cache_creation_tokens)))
+            self._streaming = len(deltas)
             if deltas:
                 self._deliver(deltas)
             if now - self._stats_time > 0.1:

@@ -11,13 +11,17 @@ reads one request's deltas from the queue the engine thread fills and yields mer
 * deltas already queued (a consumer that fell behind) are drained into one item without waiting.
 
 A stream whose tokens come slower than ``interval_s`` is therefore never delayed; a fast one is sent at
-most once per interval. Torch-free, like `protocol.py`.
+most once per interval. With ``items_per_s`` set, the interval grows with the worker's streams in flight
+(``streams / items_per_s``, between ``interval_s`` and ``max_interval_s``), so that the items all its
+streams send stay within that budget: every item costs the same CPU in the worker, the ingress and the
+proxy whatever it carries, and on a small node that CPU is taken from the engine. Torch-free, like
+`protocol.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,16 +34,28 @@ class StreamBatching:
 
     interval_s: float = 0.02
     max_tokens: int = 16
+    items_per_s: float = 0.0  # the worker's stream-item budget over all its streams; 0: a fixed interval
+    max_interval_s: float = 0.2  # the longest the budget may stretch the interval
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.interval_s) <= 1.0:
             raise ValueError(f"interval_s must be in [0, 1] seconds, got {self.interval_s!r}")
+        if not 0.0 <= float(self.max_interval_s) <= 1.0:
+            raise ValueError(f"max_interval_s must be in [0, 1] seconds, got {self.max_interval_s!r}")
+        if not 0.0 <= float(self.items_per_s) < float("inf"):
+            raise ValueError(f"items_per_s must be a finite number >= 0, got {self.items_per_s!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
 
     @property
     def enabled(self) -> bool:
         return self.interval_s > 0.0 and self.max_tokens > 1
+
+    def interval_for(self, streams: int) -> float:
+        """The pacing interval while ``streams`` requests of the worker are producing tokens."""
+        if self.items_per_s <= 0.0:
+            return self.interval_s
+        return max(self.interval_s, min(streams / self.items_per_s, self.max_interval_s))
 
     @classmethod
     def from_options(cls, options: StreamBatching | dict[str, Any] | None) -> StreamBatching:
@@ -67,11 +83,13 @@ def merge_deltas(deltas: Sequence[GenerateDelta]) -> GenerateDelta:
                          logprobs=logprobs, first_token_time=first_time, extra=last.extra)
 
 
-async def coalesce(queue: asyncio.Queue, batching: StreamBatching) -> AsyncGenerator[GenerateDelta, None]:
+async def coalesce(queue: asyncio.Queue, batching: StreamBatching, streams: Callable[[], int] | None = None
+                   ) -> AsyncGenerator[GenerateDelta, None]:
     """The deltas put on ``queue`` (an exception put there is raised, after the tokens before it), merged
-    as the module docstring says; ends after the delta with a finish reason."""
+    as the module docstring says; ends after the delta with a finish reason. ``streams()``: the worker's
+    streams producing tokens now (for ``items_per_s``; default 1)."""
     loop = asyncio.get_running_loop()
-    interval, cap = batching.interval_s, batching.max_tokens
+    cap = batching.max_tokens
     last_sent: float | None = None  # loop time of the previous item; None before the first
     while True:
         item = await queue.get()
@@ -80,7 +98,7 @@ async def coalesce(queue: asyncio.Queue, batching: StreamBatching) -> AsyncGener
         batch = [item]
         n, done, error = len(item.token_ids), item.finish_reason is not None, None
         if last_sent is not None:
-            deadline = last_sent + interval
+            deadline = last_sent + batching.interval_for(streams() if streams is not None else 1)
             while n < cap and not done:
                 if queue.empty():
                     remaining = deadline - loop.time()

@@ -85,6 +85,27 @@ def test_slow_deltas_are_sent_at_once_and_fast_ones_are_capped_at_max_tokens() -
     assert burst[-1][0] < 0.15  # queued deltas are drained without waiting out the interval
 
 
+def test_the_interval_stretches_with_the_streams_in_flight_and_a_lone_stream_keeps_the_base() -> None:
+    b = StreamBatching(interval_s=0.02, max_tokens=64, items_per_s=80.0, max_interval_s=0.2)
+    assert b.interval_for(1) == 0.02 and b.interval_for(8) == pytest.approx(0.1)
+    assert b.interval_for(1000) == 0.2 and StreamBatching(interval_s=0.02).interval_for(1000) == 0.02
+
+    async def items(streams: int) -> list[GenerateDelta]:
+        q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for i in range(30):  # one token every 10 ms
+            loop.call_at(t0 + i * 0.01, q.put_nowait, delta(i, "length" if i == 29 else None))
+        return [d async for d in coalesce(q, b, lambda: streams)]
+
+    alone, busy = asyncio.run(items(1)), asyncio.run(items(8))
+    assert 10 <= len(alone) <= 20  # about one item per 20 ms
+    assert len(busy) <= 6  # about one per 100 ms: the worker's 8 streams send at most ~80 items/s
+    for got in (alone, busy):
+        assert [t for d in got for t in d.token_ids] == [100 + i for i in range(30)]
+        assert got[0].token_ids == [100] and got[-1].finish_reason == "length"
+
+
 def test_an_error_after_some_tokens_is_raised_after_those_tokens_arrive() -> None:
     async def main() -> tuple[list[int], BaseException | None]:
         q: asyncio.Queue = asyncio.Queue()
@@ -115,6 +136,9 @@ def test_stream_batching_rejects_bad_options() -> None:
         StreamBatching(interval_s=-1)
     with pytest.raises(ValueError):
         StreamBatching(max_tokens=0)
+    for bad in ({"items_per_s": -1.0}, {"items_per_s": float("inf")}, {"max_interval_s": 2.0}):
+        with pytest.raises(ValueError):
+            StreamBatching(**bad)
     assert not StreamBatching(interval_s=0).enabled and StreamBatching().enabled
 
 
