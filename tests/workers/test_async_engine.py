@@ -99,8 +99,9 @@ def test_the_interval_stretches_with_the_streams_in_flight_and_a_lone_stream_kee
         return [d async for d in coalesce(q, b, lambda: streams)]
 
     alone, busy = asyncio.run(items(1)), asyncio.run(items(8))
-    assert 10 <= len(alone) <= 20  # about one item per 20 ms
-    assert len(busy) <= 6  # about one per 100 ms: the worker's 8 streams send at most ~80 items/s
+    # late timers only merge more, so the bounds that hold on a loaded machine are upper ones
+    assert len(alone) <= 20  # about one item per 20 ms
+    assert len(busy) <= 6 and len(busy) < len(alone)  # about one per 100 ms: 8 streams, ~80 items/s
     for got in (alone, busy):
         assert [t for d in got for t in d.token_ids] == [100 + i for i in range(30)]
         assert got[0].token_ids == [100] and got[-1].finish_reason == "length"
