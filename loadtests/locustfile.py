@@ -174,8 +174,9 @@ class _TenantMixin:
     def _setup_tenant(self) -> None:
         st = state_of(self.environment)
         uid = next(st.user_ids)
-        self.tenant_index = uid % len(st.tenants)
-        self.tenant = st.tenants[self.tenant_index]
+        self.tenant = st.tenants[uid % len(st.tenants)]
+        users = max(1, int(getattr(st.opts, "num_users", None) or 1))
+        self.rate = user_rate(st.opts.rate, st.rates, uid % len(st.tenants), users)  # poisson: requests/s
         self.rng = random.Random(st.opts.workload_seed * 7919 + uid)
         self.opts = st.opts
         self.inflight = Group()
@@ -194,22 +195,16 @@ class _TenantMixin:
             msgs.append({"role": "user", "content": question})
         return msgs
 
-    def _rate(self) -> float:
-        """poisson: this user's requests/s (its tenant's share of ``--rate`` over the tenant's users)."""
-        users = max(1, int(getattr(self.opts, "num_users", None) or 1))
-        return user_rate(self.opts.rate, state_of(self.environment).rates, self.tenant_index, users)
-
     def wait_time(self) -> float:
         o = self.opts
         if o.arrival == "poisson":
-            rate = self._rate()
-            return self.rng.expovariate(rate) if rate > 0 else 3600.0  # a silent tenant's users idle
+            return self.rng.expovariate(self.rate) if self.rate > 0 else 3600.0  # a silent tenant's users idle
         return self.rng.expovariate(1.0 / o.think_time) if o.think_time > 0 else 0.0
 
     def _arrive(self, fn: Any) -> None:
         """Runs one request: in the background (poisson, open loop) or waiting for it (closed loop)."""
         st = state_of(self.environment)
-        if self.opts.arrival == "poisson" and self._rate() == 0:
+        if self.opts.arrival == "poisson" and self.rate == 0:
             return  # a tenant with rate 0 sends nothing (locust runs a task before the first wait)
         if self.opts.arrival == "poisson" and len(self.inflight) >= self.opts.max_inflight:
             self.environment.events.request.fire(request_type=METRIC, name="arrival_dropped", response_time=0,

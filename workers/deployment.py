@@ -9,7 +9,8 @@ engine's stats as Ray Serve metrics (`workers/worker_metrics.py`) and, with Redi
 
 Each request's deltas leave the replica coalesced (`workers/streaming.py`): the first token alone and at
 once, then at most one stream item per ``stream_batching.interval_s`` (default 20 ms; stretched with the
-streams in flight by ``items_per_s``), so a fast stream pays Ray's per-item cost once per several tokens. Engine threads: unless the engine config sets
+streams in flight by ``items_per_s``), so a fast stream pays Ray's per-item cost once per several tokens.
+Engine threads: unless the engine config sets
 ``num_threads``, a replica takes `engine_threads(cores of its node, workers_per_node, reserved_cpus)`.
 """
 

@@ -64,9 +64,7 @@ class PrefixKVCache(PrefixTree):
 
     def match(self, token_ids: Seq[int] | np.ndarray, salt: bytes = b"") -> int:
         """Number of leading tokens of ``token_ids`` already cached (no side effects)."""
-        tokens = check_tokens(token_ids)
-        path, _node, n = self._walk_head(tokens, salt)
-        return len(path) * self.chunk_size + n
+        return self.match_held(token_ids, salt)[0]
 
     # ------------------------------------------------------------------ two-step form
     def reserve(self, token_ids: Seq[int] | np.ndarray, salt: bytes = b"",
