@@ -10,6 +10,7 @@ status from the HTTP one). Nothing here imports torch or the model.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
@@ -34,6 +35,10 @@ class EngineClient(Protocol):
 
     def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncGenerator[GenerateDelta, None]: ...
 
+    async def readiness(self) -> dict[str, Any]:
+        """``{"ready": bool, "workers": int, ...}``: whether requests can be served now."""
+        ...
+
 
 class LocalEngineClient:
     """An in-process engine (``workers.protocol.EngineProtocol``) as an engine client. With ``batching``
@@ -51,6 +56,10 @@ class LocalEngineClient:
     async def stats(self) -> dict:
         return dict(self.engine.stats())
 
+    async def readiness(self) -> dict[str, Any]:
+        """An in-process engine serves as soon as it exists."""
+        return {"ready": True, "workers": 1}
+
     async def aclose(self) -> None:
         """Stops the engine (its step thread is joined off the event loop)."""
         shutdown = getattr(self.engine, "shutdown", None)
@@ -67,9 +76,40 @@ class HandleEngineClient:
     Failures are classified by `classify_remote_error`: the worker's own typed `EngineError` is re-raised,
     a worker that died or that Serve cannot reach becomes `EngineDeadError` (retryable elsewhere)."""
 
-    def __init__(self, handle: Any, method: str = "generate") -> None:
+    def __init__(self, handle: Any, method: str = "generate", status: Any = None, ready_cache_s: float = 0.5) -> None:
+        """``status``: what reports Serve's state (default ``ray.serve.status``); ``ready_cache_s``: how long
+        a `readiness` answer is reused."""
         self._handle = handle.options(stream=True)
         self._method = method
+        self._app = getattr(handle, "app_name", None)
+        self._deployment = getattr(handle, "deployment_name", None)
+        self._status = status
+        self._started = False  # the worker deployment has been fully up once (latched)
+        self._ready_cache: tuple[float, dict[str, Any]] | None = None
+        self._ready_cache_s = ready_cache_s
+
+    async def readiness(self) -> dict[str, Any]:
+        """Whether requests can be served, for load balancers and benchmarks (``GET /ready``): ready once
+        the worker deployment has had all its initial replicas running (Serve's status), and from then on
+        while at least one runs. A cluster still starting is not ready: a burst sent to it would be routed
+        over the workers up so far (one of two, say) and stay there."""
+        now = time.monotonic()
+        if self._ready_cache is not None and now - self._ready_cache[0] < self._ready_cache_s:
+            return self._ready_cache[1]
+        if self._status is None:
+            from ray import serve
+
+            self._status = serve.status
+        st = await asyncio.to_thread(self._status)
+        app = st.applications.get(self._app)
+        dep = app.deployments.get(self._deployment) if app is not None else None
+        running = int(dep.replica_states.get("RUNNING", 0)) if dep is not None else 0
+        status = str(getattr(dep.status, "value", dep.status)) if dep is not None else "NOT_DEPLOYED"
+        if status in ("HEALTHY", "UPSCALING", "DOWNSCALING") and running > 0:
+            self._started = True
+        out = {"ready": self._started and running > 0, "workers": running, "status": status}
+        self._ready_cache = (now, out)
+        return out
 
     async def generate(self, request: GenerateRequest, chunk_hashes: list[int]) -> AsyncGenerator[GenerateDelta, None]:
         gen = getattr(self._handle, self._method).remote(request, chunk_hashes=chunk_hashes)

@@ -74,7 +74,7 @@ def _error_response(e: APIError) -> JSONResponse:
 
 
 def create_app(ingress: Ingress) -> FastAPI:
-    """The FastAPI app serving /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
+    """The FastAPI app serving /v1/models, /v1/completions, /v1/chat/completions, /health, /ready, /metrics."""
     app = FastAPI(title="chunkserve", version="1", docs_url=None, redoc_url=None)
     max_body = ingress.config.max_body_bytes
 
@@ -112,7 +112,12 @@ def create_app(ingress: Ingress) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "ok"}  # liveness: the ingress answers (see /ready for the workers)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        state = await ingress.engine.readiness()
+        return JSONResponse(state, status_code=200 if state.get("ready") else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

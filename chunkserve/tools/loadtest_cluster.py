@@ -82,7 +82,8 @@ def _get(url: str, timeout: float = 5.0) -> bytes:
 
 
 def wait_ready(ep: Endpoints, timeout_s: float) -> float:
-    """Waits until /health answers and one tiny request completes; returns the seconds waited."""
+    """Waits until /ready answers (every initial worker is up) and one tiny request completes; returns the
+    seconds waited."""
     from chunkserve.client import HTTPClient
 
     keys = json.loads(Path(ep.keys_path).read_text()) if ep.keys_path else {}
@@ -91,10 +92,10 @@ def wait_ready(ep: Endpoints, timeout_s: float) -> float:
     last: Exception | None = None
     while time.monotonic() - t0 < timeout_s:
         try:
-            if json.loads(_get(ep.http_url + "/health")).get("status") == "ok":
+            if json.loads(_get(ep.http_url + "/ready")).get("ready"):
                 client.complete("Hello", max_tokens=2, temperature=0.0)
                 return time.monotonic() - t0
-        except Exception as e:  # not up yet (404 until the app is deployed, 503 while workers start)
+        except Exception as e:  # not up yet (404 until the app is deployed, 503 until its workers run)
             last = e
         time.sleep(1.0)
     raise TimeoutError(f"the cluster at {ep.http_url} was not ready after {timeout_s:.0f} s (last error: {last})")

@@ -17,7 +17,7 @@ from typing import IO
 
 class LaunchedServer:
     """A server command run in a session of its own, its output in ``log_path``; ready once
-    ``GET {url}/v1/models`` answers 200. Stopped by SIGTERM to the command, then SIGKILL to its group."""
+    ``GET {url}/ready`` (or, without that route, ``GET {url}/v1/models``) answers 200. Stopped by SIGTERM to the command, then SIGKILL to its group."""
 
     def __init__(self, name: str, command: str, url: str, log_path: Path) -> None:
         self.name, self.command, self.url, self.log_path = name, command, url.rstrip("/"), log_path
@@ -38,15 +38,22 @@ class LaunchedServer:
                 return time.monotonic() - t0
             time.sleep(1.0)
         self.stop()
-        raise TimeoutError(f"{self.name}: not serving {self.url}/v1/models after {timeout_s:.0f} s; last "
+        raise TimeoutError(f"{self.name}: not serving {self.url}/ready or /v1/models after {timeout_s:.0f} s; last "
                            f"output:\n{self.tail()}")
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as resp:
-                return resp.status == 200
-        except (OSError, urllib.error.URLError):
-            return False
+        """``GET /ready`` answers 200 (chunkserve: every initial worker is up), or, from a server without
+        that route (404), ``GET /v1/models`` does."""
+        for path in ("/ready", "/v1/models"):
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=5) as resp:
+                    return resp.status == 200
+            except urllib.error.HTTPError as e:
+                if e.code != 404:
+                    return False  # 503: still starting
+            except (OSError, urllib.error.URLError):
+                return False
+        return False
 
     def tail(self, n: int = 30) -> str:
         try:

@@ -254,3 +254,26 @@ def test_non_streaming_and_grpc_requests_no_worker_can_finish_get_503_and_unavai
             list(stub.GenerateStream(req, timeout=60))
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
         assert dict(ei.value.trailing_metadata()).get("retry-after") == "2"
+
+
+def test_readiness_waits_for_every_initial_worker_then_holds_while_one_runs() -> None:
+    """``GET /ready`` of a Ray-backed ingress: a deployment still starting (1 of 2 replicas up) is not ready,
+    one fully up is, and a later update or scale-down keeps it ready while a replica runs."""
+    from types import SimpleNamespace
+
+    from chunkserve.router.engine_client import HandleEngineClient
+
+    states: list[tuple[str, int]] = [("UPDATING", 1), ("HEALTHY", 2), ("UPDATING", 1), ("UNHEALTHY", 0)]
+
+    def status() -> Any:
+        st, running = states[0]
+        dep = SimpleNamespace(status=st, replica_states={"RUNNING": running} if running else {})
+        return SimpleNamespace(applications={"app": SimpleNamespace(deployments={"Worker": dep})})
+
+    handle = SimpleNamespace(app_name="app", deployment_name="Worker", options=lambda **_: None)
+    client = HandleEngineClient(handle, status=status, ready_cache_s=0.0)
+    seen = []
+    for _ in range(len(states)):
+        seen.append(asyncio.run(client.readiness())["ready"])
+        states.pop(0)
+    assert seen == [False, True, True, False]

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx2
 import pytest
 
 from chunkserve.client import GrpcClient, HTTPClient
@@ -59,6 +60,8 @@ def test_chunkserve_up_serves_http_and_grpc_then_stops_cleanly_on_sigterm(tmp_pa
 
         http = HTTPClient(f"http://127.0.0.1:{http_port}", timeout=60)
         assert http.health()
+        ready = httpx2.get(f"http://127.0.0.1:{http_port}/ready", timeout=30)  # "up": every worker runs
+        assert ready.status_code == 200 and ready.json()["ready"] is True and ready.json()["workers"] == 1
         prompt = list(range(1, 100))  # six full 16-token chunks: the repeat is routed to its cached prefix
         first = http.complete(prompt, max_tokens=4, temperature=0.0)
         again = http.complete(prompt, max_tokens=4, temperature=0.0)
