@@ -14,9 +14,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
+from chunkserve.cluster.claims import CLAIM_LUA, claim_args, claim_keys, decode_owner
 from chunkserve.cluster.index import AsyncPrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -30,12 +32,17 @@ class ReaderConfig:
 
     cache_ttl_s: float = 0.25
     timeout_s: float = 0.005
+    # a claim is made only for a prefix nobody holds, which costs a full prefill wherever it goes: worth a
+    # longer wait than a lookup: in a burst of new prompts on a busy node the answer waits behind the
+    # ingress's event loop for well over 100 ms (measured), and a router that gives up places the prefix
+    # by rendezvous while its claim may land elsewhere: the prompt is then computed on both workers
+    claim_timeout_s: float = 1.0
     retry_after_s: float = 1.0
     max_cache_entries: int = 8192
     max_inflight: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("cache_ttl_s", "timeout_s", "retry_after_s"):
+        for name in ("cache_ttl_s", "timeout_s", "retry_after_s", "claim_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ReaderConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_cache_entries < 1 or self.max_inflight < 1:
@@ -66,6 +73,7 @@ class CachedIndexReader:
         self._inflight: dict[_Key, asyncio.Task[dict[str, int]]] = {}
         self._down_until = 0.0
         self._down = False
+        self._claim_script: Any = None
         if index_factory is None:
             logger.warning("no prefix index configured: routing by rendezvous hashing and load only")
 
@@ -126,6 +134,26 @@ class CachedIndexReader:
             self._cache.popitem(last=False)
         return matches
 
+    async def claim_cold(self, first_hash: int, candidates: Sequence[str], weight: int, ttl_s: float) -> str | None:
+        """The worker a cold prefix goes to, agreed by every router through Redis (`cluster/claims.py`):
+        an earlier claim if its worker is among ``candidates``, else the candidate with the least claimed
+        cold work (``weight``: the prefix's chunks), ties in ``candidates`` order. None when the index is
+        down or does not answer within ``claim_timeout_s`` (the claim then still lands in the background)."""
+        if self._factory is None or not candidates or (self._down and self._clock() < self._down_until):
+            return None
+        if self._index is None:
+            self._index = self._factory()
+        if self._claim_script is None:
+            self._claim_script = self._index.client.register_script(CLAIM_LUA)
+        keys = claim_keys(self._index.keys, first_hash)
+        args = claim_args(first_hash, candidates, weight, int(ttl_s * 1000), int(time.time() * 1000))
+        task = asyncio.get_running_loop().create_task(self._claim_script(keys=keys, args=args))
+        task.add_done_callback(_consume_exception)
+        done, _ = await asyncio.wait({task}, timeout=self.config.claim_timeout_s)
+        if not done or task.cancelled() or task.exception() is not None:
+            return None
+        return decode_owner(task.result())
+
     def invalidate(self) -> None:
         """Drop all cached lookups (e.g. after the replica set changed)."""
         self._cache.clear()
@@ -136,6 +164,7 @@ class CachedIndexReader:
         if self._index is not None:
             await self._index.aclose()
             self._index = None
+            self._claim_script = None
 
 
 def _consume_exception(task: asyncio.Task) -> None:

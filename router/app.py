@@ -49,12 +49,14 @@ class RouterConfig(BaseModel):
     enable_metrics: bool = True  # the router's Ray Serve metrics
     cluster_mode: bool = False  # Redis Cluster key routing of the index client
     predictions: bool = True  # send the routing prediction with each request (scored by the worker)
+    cold_claims: bool = True  # place new prefixes through shared claims in Redis (cluster/claims.py)
 
     def kwargs(self) -> dict[str, Any]:
         """The router's ``initialize_state`` keyword arguments (plain data: they cross to Serve's controller)."""
         return {"max_chunks": self.max_chunks, "policy": dataclasses.asdict(self.policy),
                 "reader": dataclasses.asdict(self.reader), "enable_metrics": self.enable_metrics,
-                "cluster_mode": self.cluster_mode, "predictions": self.predictions}
+                "cluster_mode": self.cluster_mode, "predictions": self.predictions,
+                "cold_claims": self.cold_claims}
 
 
 class AppConfig(BaseModel):

@@ -16,7 +16,10 @@ per-replica longest cached prefix from the index (``None`` when the index could 
    puts 3 or 4 on one replica half the time) but depends on the load each router sees, so two ingress
    replicas may place one new prefix apart. Measured: neither setting removed the occasional recomputed
    prompt on the 32-chat workload of ``benchmarks/compare_llama.sh``, and load-aware placement broke the
-   rendezvous split a capacity-bound test relies on, so rendezvous stays the default.
+   rendezvous split a capacity-bound test relies on, so rendezvous stays the default. Behind Ray, the
+   router then claims a cold prefix in Redis (`cluster/claims.py`): among `cold_candidates` (rendezvous
+   order, overloaded ones left out) the worker with the least claimed cold work, and every router follows a
+   live claim (`follow_claim`), so ingress replicas agree and new prefixes spread evenly.
 5. ``redis_down``: the index is unreachable -> rules 2-4 on local hints only (rendezvous when none).
    (A lookup that is merely slower than the budget also uses hints only, under the usual reasons.)
 
@@ -181,6 +184,23 @@ class PrefixPolicy:
         pick = next((r for r in order if (slack is None or r.ongoing <= min_load + slack)
                      and not self._overloaded(r, min_load)), order[0])
         return self._decision(pick, "redis_down" if down else "cold_hash", eff, order)
+
+    def cold_candidates(self, replicas: Sequence[ReplicaLoad], chain: Sequence[int]) -> list[str]:
+        """Where a cold prefix may go, in rendezvous order: the replicas that are not overloaded (all of
+        them when every one is). The shared claim (`cluster/claims.py`) picks among these."""
+        min_load = min(r.ongoing for r in replicas)
+        order = sorted(replicas, key=lambda r: rendezvous_weight(chain[0], r.replica_id), reverse=True)
+        fit = [r.replica_id for r in order if not self._overloaded(r, min_load)]
+        return fit or [r.replica_id for r in order]
+
+    def follow_claim(self, replicas: Sequence[ReplicaLoad], decision: Decision, owner: str) -> Decision:
+        """A cold decision moved to ``owner``, the worker the shared claim placed the prefix on (no change
+        when ``owner`` is not a candidate)."""
+        by_id = {r.replica_id: r for r in replicas}
+        r = by_id.get(owner)
+        if r is None or owner == decision.replica_id:
+            return decision
+        return self._decision(r, decision.reason, {}, replicas)
 
     def _least_loaded(self, replicas: Sequence[ReplicaLoad], reason: str, eff: dict[str, int]) -> Decision:
         self._rr += 1

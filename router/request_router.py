@@ -66,13 +66,16 @@ class PrefixAwareRouter(RequestRouter):
     :class:`PolicyConfig` fields), ``reader`` (dict of :class:`ReaderConfig` fields), ``enable_metrics``,
     ``cluster_mode`` (True for Redis Cluster: one script call per worker instead of one for all),
     ``predictions`` (True: add the routing prediction as the keyword argument ``routing`` to each request
-    that passes ``chunk_hashes`` as a keyword, for a method that accepts it, as the worker's generate does).
+    that passes ``chunk_hashes`` as a keyword, for a method that accepts it, as the worker's generate does),
+    ``cold_claims`` (default True: place a prefix nobody holds through a shared claim in Redis,
+    `cluster/claims.py`, so that routers agree and new prefixes spread evenly; False: rendezvous alone).
     """
 
     def initialize_state(self, redis_url: str | None = None, namespace: str = DEFAULT_NAMESPACE,
                          max_chunks: int = DEFAULT_MAX_DEPTH, policy: dict[str, Any] | None = None,
                          reader: dict[str, Any] | None = None, enable_metrics: bool = True,
-                         cluster_mode: bool = False, predictions: bool = False, **kwargs: Any) -> None:
+                         cluster_mode: bool = False, predictions: bool = False, cold_claims: bool = True,
+                         **kwargs: Any) -> None:
         if kwargs:
             raise TypeError(f"PrefixAwareRouter got unknown request_router_kwargs: {sorted(kwargs)}")
         if max_chunks < 1:
@@ -80,6 +83,7 @@ class PrefixAwareRouter(RequestRouter):
         url = redis_url or env.redis_url()
         self._max_chunks = max_chunks
         self._predictions = bool(predictions)
+        self._claims = bool(cold_claims)
         self._policy = PrefixPolicy(PolicyConfig(**(policy or {})))
         factory = (lambda: AsyncPrefixIndex(url, namespace=namespace, max_chunks=max_chunks,
                                             cluster_mode=cluster_mode)) if url else None
@@ -149,9 +153,16 @@ class PrefixAwareRouter(RequestRouter):
             # A slow answer (over the reader's budget) routes on local hints alone, but is not an outage:
             # only an unreachable index yields matches=None and the reason "redis_down".
             matches = {} if res.status == "timeout" else res.matches
-        decision = self._policy.decide([self._load(r) for r in candidate_replicas], chain, matches)
+        loads = [self._load(r) for r in candidate_replicas]
+        decision = self._policy.decide(loads, chain, matches)
         req_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         prev = self._reserved.get(req_id) if req_id is not None else None
+        if decision.reason == "cold_hash" and prev is None and self._claims:
+            # a new prefix: agree with the other routers on one worker, spreading new prefixes evenly
+            owner = await self._reader.claim_cold(chain[0], self._policy.cold_candidates(loads, chain),
+                                                  len(chain), self._policy.config.hint_ttl_s)
+            if owner is not None:
+                decision = self._policy.follow_claim(loads, decision, owner)
         if self._predictions and pending_request is not None and CHAIN_KWARG in (pending_request.kwargs or {}):
             # the prediction, scored by the worker that runs it (workers/worker_metrics.RoutingAccuracy)
             pending_request.kwargs[ROUTING_KWARG] = {"reason": decision.reason, "depth": len(chain),

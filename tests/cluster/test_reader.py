@@ -107,3 +107,52 @@ def test_async_index_modes_agree(redis_server: RedisServer, namespace: str) -> N
 
     single, per_worker = asyncio.run(go())
     assert single == per_worker == {"w0": 0, "w1": 3, "w2": 8}
+
+
+def test_routers_claiming_new_prefixes_agree_on_each_and_spread_them_evenly(redis_server: RedisServer,
+                                                                            namespace: str) -> None:
+    """4 new prompts, 2 routers, candidates in the same rendezvous order: rendezvous alone would put all 4
+    on w1; the claims split them 2:2 by claimed chunks, and the second router follows every placement."""
+    firsts = [hash_chain([t] * 16, 4, b"tenant")[0] for t in range(4)]
+
+    async def go() -> None:
+        a, b = _reader(redis_server.url, namespace), _reader(redis_server.url, namespace)
+        placed = [await a.claim_cold(h, ["w1", "w2"], weight=16, ttl_s=5.0) for h in firsts]
+        assert sorted(placed) == ["w1", "w1", "w2", "w2"]
+        assert [await b.claim_cold(h, ["w2", "w1"], weight=16, ttl_s=5.0) for h in firsts] == placed
+        # a claim whose worker is no longer a candidate (gone, or overloaded) is placed anew
+        gone = placed[0]
+        other = "w2" if gone == "w1" else "w1"
+        assert await b.claim_cold(firsts[0], [other, "w3"], weight=16, ttl_s=5.0) == "w3"
+        await a.aclose()
+        await b.aclose()
+
+    asyncio.run(go())
+
+
+def test_expired_claims_release_their_worker_and_their_weight(redis_server: RedisServer, namespace: str) -> None:
+    firsts = [hash_chain([t] * 16, 4, b"exp")[0] for t in range(3)]
+
+    async def go() -> None:
+        r = _reader(redis_server.url, namespace)
+        assert await r.claim_cold(firsts[0], ["w1", "w2"], weight=100, ttl_s=0.2) == "w1"
+        assert await r.claim_cold(firsts[1], ["w1", "w2"], weight=1, ttl_s=5.0) == "w2"  # w1 carries 100
+        await asyncio.sleep(0.3)
+        # the first claim expired: w1's weight is gone (w2 now carries 1) and its prefix is free again
+        assert await r.claim_cold(firsts[2], ["w1", "w2"], weight=1, ttl_s=5.0) == "w1"
+        assert await r.claim_cold(firsts[0], ["w2", "w1"], weight=1, ttl_s=5.0) == "w2"
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_claim_without_redis_is_none_not_an_error(namespace: str) -> None:
+    async def go() -> None:
+        assert await CachedIndexReader(None).claim_cold(CHAIN[0], ["w1"], 4, ttl_s=1.0) is None
+        with RedisServer() as srv:
+            reader = _reader(srv.url, namespace, claim_timeout_s=0.2)
+            srv.stop()
+            assert await reader.claim_cold(CHAIN[0], ["w1"], 4, ttl_s=1.0) is None
+            await reader.aclose()
+
+    asyncio.run(go())

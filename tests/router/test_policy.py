@@ -200,3 +200,18 @@ def test_router_metrics_count_decisions_by_reason() -> None:
     assert m.counts["spill"] == 2 and m.counts["prefix_hit"] == 1 and m.counts["redis_down"] == 0
     with pytest.raises(ValueError):
         m.record("lucky", 0)
+
+
+def test_cold_candidates_are_in_rendezvous_order_without_the_overloaded_and_a_claim_moves_the_decision() -> None:
+    h = CHAIN[0]
+    order = sorted(("r0", "r1", "r2"), key=lambda r: rendezvous_weight(h, r), reverse=True)
+    pol = PrefixPolicy()
+    even = [ReplicaLoad(r, 0) for r in ("r0", "r1", "r2")]
+    assert pol.cold_candidates(even, CHAIN) == order
+    hot = [ReplicaLoad(r, 20 if r == order[0] else 0) for r in ("r0", "r1", "r2")]
+    assert pol.cold_candidates(hot, CHAIN) == order[1:]
+    d = pol.decide(even, CHAIN, {})
+    moved = pol.follow_claim(even, d, order[2])
+    assert (d.replica_id, moved.replica_id, moved.reason) == (order[0], order[2], "cold_hash")
+    assert moved.ranking[0] == order[2] and set(moved.ranking) == {"r0", "r1", "r2"}
+    assert pol.follow_claim(even, d, "gone") == d  # not a candidate: the policy's own choice stands
