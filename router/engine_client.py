@@ -100,7 +100,10 @@ class HandleEngineClient:
             from ray import serve
 
             self._status = serve.status
-        st = await asyncio.to_thread(self._status)
+        try:
+            st = await asyncio.to_thread(self._status)
+        except Exception as e:  # Serve's controller unreachable: not ready, and say why (never a 500)
+            return {"ready": False, "workers": 0, "status": "UNKNOWN", "error": f"{type(e).__name__}: {e}"[:300]}
         app = st.applications.get(self._app)
         dep = app.deployments.get(self._deployment) if app is not None else None
         running = int(dep.replica_states.get("RUNNING", 0)) if dep is not None else 0

@@ -277,3 +277,9 @@ def test_readiness_waits_for_every_initial_worker_then_holds_while_one_runs() ->
         seen.append(asyncio.run(client.readiness())["ready"])
         states.pop(0)
     assert seen == [False, True, True, False]
+
+    def broken() -> Any:
+        raise ConnectionError("controller gone")
+
+    down = asyncio.run(HandleEngineClient(handle, status=broken).readiness())
+    assert down["ready"] is False and "controller gone" in down["error"]
