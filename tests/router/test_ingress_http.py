@@ -330,3 +330,9 @@ def test_metrics_endpoint_needs_the_admin_key_in_tenant_mode_and_exposes_cache_a
             if ln.startswith('chunkserve:prefix_cache_hits_total{') and 'tenant="delta"' in ln]
     assert hits and float(hits[0].rsplit(" ", 1)[1]) >= CHUNK
     assert httpx2.get(server.http_url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_health_is_liveness_and_ready_reports_an_in_process_engine_ready_at_once(server):
+    assert httpx2.get(server.http_url + "/health", timeout=10).json() == {"status": "ok"}
+    ready = httpx2.get(server.http_url + "/ready", timeout=10)  # no API key needed: a probe's route
+    assert ready.status_code == 200 and ready.json() == {"ready": True, "workers": 1}
