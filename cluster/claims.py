@@ -64,7 +64,3 @@ def claim_args(first_hash: int, candidates: Sequence[str], weight: int, ttl_ms: 
         raise ValueError("a claim needs at least one candidate worker")
     return [int(now_ms), max(1, int(ttl_ms)), max(1, int(weight)), encode_hash(first_hash),
             *(check_worker_id(w) for w in candidates)]
-
-
-def decode_owner(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)

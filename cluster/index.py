@@ -199,7 +199,7 @@ class PrefixIndex:
 
     def live_workers(self) -> list[str]:
         """Registered workers whose lease is alive."""
-        ids = [_s(w) for w in self.client.zrange(self.keys.registry, 0, -1)]
+        ids = [as_str(w) for w in self.client.zrange(self.keys.registry, 0, -1)]
         if not ids:
             return []
         pipe = self.client.pipeline(transaction=False)
@@ -243,7 +243,7 @@ class PrefixIndex:
 
     def sweep(self) -> list[str]:
         """Purge workers whose lease lapsed: drop their chunk sets and registry entries. -> purged ids."""
-        ids = [_s(w) for w in self.client.zrange(self.keys.registry, 0, -1)]
+        ids = [as_str(w) for w in self.client.zrange(self.keys.registry, 0, -1)]
         if not ids:
             return []
         pipe = self.client.pipeline(transaction=False)
@@ -311,5 +311,6 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _s(v: object) -> str:
+def as_str(v: object) -> str:
+    """A Redis reply (bytes without ``decode_responses``) as a str."""
     return v.decode() if isinstance(v, bytes) else str(v)

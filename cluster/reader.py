@@ -18,8 +18,8 @@ from typing import Any
 
 import redis
 
-from chunkserve.cluster.claims import CLAIM_LUA, claim_args, claim_keys, decode_owner
-from chunkserve.cluster.index import AsyncPrefixIndex
+from chunkserve.cluster.claims import CLAIM_LUA, claim_args, claim_keys
+from chunkserve.cluster.index import AsyncPrefixIndex, as_str
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class CachedIndexReader:
         done, _ = await asyncio.wait({task}, timeout=self.config.claim_timeout_s)
         if not done or task.cancelled() or task.exception() is not None:
             return None
-        return decode_owner(task.result())
+        return as_str(task.result())
 
     def invalidate(self) -> None:
         """Drop all cached lookups (e.g. after the replica set changed)."""
