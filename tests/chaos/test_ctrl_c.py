@@ -45,7 +45,8 @@ def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path):
         warm = stream_completion(base, {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4,
                                         "temperature": 0.0}, 0, 120.0)
         assert warm.ok, warm
-        load = StreamLoad(base, MODEL, PROMPTS, clients=4, max_tokens=96).start()
+        load = StreamLoad(base, MODEL, PROMPTS, clients=4, max_tokens=160).start()  # ~1.3 s each: some are
+        # always 0.25 s into their stream at the Ctrl-C (with 96 tokens, ~0.8 s, a fresh clone once had none)
         time.sleep(3.0)
         load._stop.set()  # no new requests from here on: only the in-flight ones must finish
         t_int = time.monotonic()
@@ -60,8 +61,10 @@ def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path):
         rc = proc.wait(timeout=120)
         text = (tmp_path / "up.log").read_text()
         bad = failures(in_flight)
-        print(f"\n[chaos] Ctrl-C: in_flight={len(in_flight)}, failed={len(bad)}, "
-              f"last_finished_after_s={max(o.t_end for o in in_flight) - t_int:.1f}, "
+        last_end = max((o.t_end for o in in_flight), default=t_int)
+        print(f"\n[chaos] Ctrl-C: in_flight={len(in_flight)}, failed={len(bad)}, sent={len(outs)}, "
+              f"durations_s={sorted(round(o.t_end - o.t_start, 2) for o in outs)[-6:]}, "
+              f"last_finished_after_s={last_end - t_int:.1f}, "
               f"exit_s={time.monotonic() - t_int:.1f}, rc={rc}, sent_during_drain={late.status or late.error}",
               flush=True)
         assert in_flight and not bad, [(o.status, o.error) for o in bad][:3]
