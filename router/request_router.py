@@ -157,8 +157,9 @@ class PrefixAwareRouter(RequestRouter):
         decision = self._policy.decide(loads, chain, matches)
         req_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         prev = self._reserved.get(req_id) if req_id is not None else None
-        if decision.reason == "cold_hash" and prev is None and self._claims:
-            # a new prefix: agree with the other routers on one worker, spreading new prefixes evenly
+        if decision.reason == "cold_hash" and prev is None and self._claims and len(loads) > 1:
+            # a new prefix: agree with the other routers on one worker, spreading new prefixes evenly (with
+            # a single candidate there is nothing to agree on: no Redis round trip)
             owner = await self._reader.claim_cold(chain[0], self._policy.cold_candidates(loads, chain),
                                                   len(chain), self._policy.config.hint_ttl_s)
             if owner is not None:
