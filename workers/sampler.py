@@ -153,7 +153,8 @@ def _pick(e: torch.Tensor, u: torch.Tensor, top_p: torch.Tensor | None = None,
         if total is None:
             total = c[:, -1]
         prev = F.pad(c[:, :-1], (1, 0))  # [m, K] exclusive cumsum: mass strictly above each candidate
-        n_keep = (prev < (top_p * total).unsqueeze(1)).sum(-1)  # [m] >= 1: prev[:, 0] = 0
+        # [m] >= 1: the top candidate is kept even when top_p * total underflows to 0 (top_p = 1e-81)
+        n_keep = (prev < (top_p * total).unsqueeze(1)).sum(-1).clamp_min_(1)
         mass = c.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)  # [m] kept mass
     target = torch.minimum(u * mass, torch.nextafter(mass, torch.zeros_like(mass)))  # [m] < mass
     return torch.searchsorted(c, target.unsqueeze(1), right=True).squeeze(1)  # [m]

@@ -146,6 +146,16 @@ def test_top_p_always_keeps_the_top_token() -> None:
     assert toks == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("sampler_kwargs", [{}, {"full_sort": True}], ids=["widening-topk", "full-sort"])
+def test_a_top_p_whose_mass_underflows_still_keeps_the_top_token(sampler_kwargs: dict) -> None:
+    """top_p = 1e-81 is valid (> 0) but top_p * mass is 0 in fp32: the draw keeps the top token instead of
+    indexing column -1 (which failed the whole engine step; found by the ingress's hypothesis test)."""
+    logits = random_logits(4, seed=8)
+    params = [SamplingParams(temperature=1.0, top_p=1.1720572163760112e-81)] * 4
+    toks, _ = Sampler(**sampler_kwargs).sample(logits, [str(i) for i in range(4)], params)
+    assert toks == logits.argmax(-1).tolist()
+
+
 def test_mixed_batch_keeps_greedy_rows_exactly_argmax_and_samples_the_others() -> None:
     logits = random_logits(12, scale=0.5, seed=7)  # flat: random rows rarely hit the argmax
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.9),
