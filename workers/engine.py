@@ -54,6 +54,7 @@ class EngineCore:
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
         self.scheduler = Scheduler(self.cache, SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                                                fair_share=cfg.fair_share,
+                                                               fair_quantum=cfg.fair_quantum,
                                                                max_pinned_fraction=cfg.max_pinned_fraction,
                                                                max_model_len=self.max_model_len))
         self.runner = ModelRunner(self.model, self.cache, cfg.attention_backend, cfg.prefill_backend)

@@ -38,6 +38,8 @@ class EngineConfig:
     quantization: str | None = None  # "int8": weight-only per-channel int8 linears of the layers (lm_head dense)
     warmup: bool = True  # build/compile the kernels serving meets before the engine is ready (workers/warmup.py)
     fair_share: bool = True  # VTC fair share across tenants (workers/fairness.py); False: first come, first served
+    fair_quantum: float = 2048.0  # weighted tokens a tenant may lead the least served one by while its shorter
+    # prompts go first (0: strict VTC order; workers/fairness.py)
     max_pinned_fraction: float = 0.5  # cache_control pins may hold at most this share of the KV pool
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -48,5 +50,8 @@ class EngineConfig:
             raise ValueError("kv_cache_gb must be > 0")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
+        if isinstance(self.fair_quantum, bool) or not (isinstance(self.fair_quantum, (int, float))
+                                                       and 0 <= self.fair_quantum < float("inf")):
+            raise ValueError(f"fair_quantum must be a finite number >= 0, got {self.fair_quantum!r}")
         if self.quantization is not None and self.quantization not in QUANT_MODES:
             raise ValueError(f"quantization must be one of {QUANT_MODES} or None, got {self.quantization!r}")

@@ -2,7 +2,11 @@
 
 Each tenant has a counter of the service it received, in weighted tokens:
 ``counter += (prefill_cost * prefill_tokens + decode_cost * decode_tokens) / weight``. Admission and
-prefill order pick the tenant with the smallest counter (oldest request first within a tenant). A
+prefill order (`choose`): among the requests with prompt work left of the tenants whose counter is within
+``quantum`` of the smallest such counter, the one with the least prompt left to compute goes first
+(shortest remaining work, so the chats that follow a just-computed system prompt are not made to wait
+behind another whole prompt); each tenant puts forward one request (the scheduler's choice: its oldest, or
+a cheap one within an aging bound); ``quantum=0`` is strict VTC order. A
 tenant that arrives after being idle is lifted to the smallest counter among the tenants with work,
 so idle time banks no credit, and a tenant with nothing queued takes no share: the scheduler stays
 work-conserving. With ``enabled=False`` the order is first come, first served (arrival order); the
@@ -19,7 +23,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 
 class HasTenant(Protocol):
@@ -28,18 +32,24 @@ class HasTenant(Protocol):
     seq: tuple[float, int]  # queue order: (arrival, add order)
 
 
+R = TypeVar("R", bound=HasTenant)
+
+
 @dataclass(frozen=True)
 class FairnessConfig:
-    """VTC settings (``EngineConfig.extra["fairness"]`` or `SchedulerConfig.fairness`)."""
+    """VTC settings (from `SchedulerConfig`: ``fair_share`` and ``fair_quantum``, set in `EngineConfig`)."""
 
     enabled: bool = True
     prefill_cost: float = 1.0  # weight of a prefill token in the counter
     decode_cost: float = 2.0  # weight of a decode token (the paper's w_q = 1, w_p = 2)
     window_s: float = 60.0  # decay time constant of tenant_share
+    quantum: float = 2048.0  # how far (weighted tokens) a tenant's counter may lead while its shorter work goes first
 
     def __post_init__(self) -> None:
         if self.prefill_cost < 0 or self.decode_cost < 0 or self.prefill_cost + self.decode_cost <= 0:
             raise ValueError("prefill_cost and decode_cost must be >= 0 and not both 0")
+        if not (self.quantum >= 0 and math.isfinite(self.quantum)):
+            raise ValueError(f"quantum must be a finite number >= 0, got {self.quantum!r}")
         if self.window_s <= 0:
             raise ValueError("window_s must be > 0")
 
@@ -128,6 +138,27 @@ class FairShare:
             if k < best_key:
                 best, best_key = i, k
         return best
+
+    def choose(self, heads: Sequence[R], remaining: Callable[[R], int]) -> R:
+        """The request whose prompt work goes next, among each tenant's candidate (``heads``: non-empty).
+
+        First come, first served: the oldest. Fair share: only the tenants whose counter is at most ``quantum``
+        above the smallest counter among ``heads`` qualify (the least served tenant always does, so no tenant
+        falls more than ``quantum``, plus one step's pieces, behind another with work); among them the least
+        ``remaining`` (prompt tokens still to compute) goes first, then `key`. ``remaining`` is asked only of
+        the qualifying heads."""
+        if not self.config.enabled:
+            return min(heads, key=lambda r: r.seq)
+        if len(heads) == 1:
+            return heads[0]
+        keys = [self.key(r) for r in heads]
+        bound = min(k[0] for k in keys) + self.config.quantum
+
+        def order(i: int) -> tuple[bool, int, tuple[float, float, tuple[float, int]]]:
+            over = keys[i][0] > bound
+            return over, 0 if over else remaining(heads[i]), keys[i]
+
+        return heads[min(range(len(heads)), key=order)]
 
     def slot_victim(self, running: Sequence[HasTenant], waiting: Sequence[HasTenant],
                     slots: int) -> tuple[HasTenant, HasTenant] | None:

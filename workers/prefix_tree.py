@@ -81,6 +81,13 @@ class PrefixTree:
                 best = p
         return path, best
 
+    def match_chunks(self, tokens: np.ndarray, salt: bytes = b"") -> int:
+        """Leading tokens of ``tokens`` (int64, as `check_tokens` returns) in whole matching chunks and a whole
+        matching partial leaf: `match` without its search for a partly matching chunk, so the cost does not
+        grow with the chunks cached under the prefix (the scheduler ranks waiting requests by it each step)."""
+        path, leaf = self._walk(tokens, salt)
+        return len(path) * self.chunk_size + (len(leaf.tokens) if leaf is not None else 0)
+
     def _walk_head(self, tokens: np.ndarray, salt: bytes) -> tuple[list[Node], Node | None, int]:
         """`_walk`'s full chunks, then the node under the last of them (full child or partial leaf) that
         shares the most leading tokens with the rest: ``(path, node, n)``, ``n`` tokens of ``node`` matching

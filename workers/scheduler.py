@@ -3,13 +3,18 @@
 Every step has a token budget shared by decodes (1 token each, scheduled first, so running
 requests never stall) and prefill chunks. A new prompt reuses its cached leading chunks and only
 the rest is prefilled. Admission is by free KV chunks, in fair-share order across tenants (the
-virtual token counter of `fairness.py`; first come, first served with ``fair_share=False``), oldest
-arrival first within a tenant, and never past a request that does not fit yet (no overtaking by
-size). When a decode cannot get a slot a victim is preempted (its chunks released, so they stay
-cached) and requeued at its arrival position: the running request with the largest (tenant counter,
-arrival), never the oldest running request, so the oldest request always makes progress. Prefill
-pieces run in the same priority order. ``cache_control`` pins (`pins.py`) are taken when a request's
-prefill ends and released when they expire, checked at the start of each step.
+virtual token counter of `fairness.py`, shortest remaining prompt first within ``fair_quantum``; first
+come, first served with ``fair_share=False``), oldest arrival first within a tenant except that a
+request with at most two chunks of prompt left (a chat whose system prompt is cached) goes first, and
+never past the request next in that order when it does not fit yet. Going first by size is bounded: a
+request overtaken by ``fair_quantum`` tokens of its tenant's later arrivals is overdue and goes first.
+A step that already ends `HOLD_FIRST_TOKENS` prompts takes no piece of a prompt it cannot end, so a
+burst's first tokens are not held back by the next long prompt. When a decode cannot get a slot a victim
+is preempted (its chunks released, so they stay cached) and requeued at its arrival position: the running
+request with the largest (tenant counter, arrival), never the oldest running request, so the oldest
+request always makes progress. Prefill pieces of running prompts and admissions share one order.
+``cache_control`` pins (`pins.py`) are taken when a request's prefill ends and released when they expire,
+checked at the start of each step. The records it fills (`Request`, `StepPlan`) are in `sched_types.py`.
 """
 
 from __future__ import annotations
@@ -18,93 +23,23 @@ import bisect
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 from typing import Any
 
-from chunkserve.workers.cache_control import PinSpec
+import numpy as np
+
 from chunkserve.workers.chunk_pool import KVCacheFull
 from chunkserve.workers.fairness import FairnessConfig, FairShare
 from chunkserve.workers.kvcache import PrefixKVCache
 from chunkserve.workers.pins import PinManager
 from chunkserve.workers.protocol import PinRefusedError
-from chunkserve.workers.sampling import SamplingParams
+from chunkserve.workers.sched_types import PrefillPiece, Request, Status, StepPlan
+
+__all__ = ["PrefillPiece", "Request", "Scheduler", "SchedulerConfig", "Status", "StepPlan"]
 
 
-class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation request and its progress (compared and hashed by identity: one object per request)."""
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    salt: bytes = b""
-    arrival: float = 0.0
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    status: Status = Status.WAITING
-    seq_id: int | None = None
-    num_cached: int | None = None  # prompt tokens served from the cache at first admission (None: not yet)
-    num_computed: int = 0  # tokens of prompt+output whose K/V are in the cache
-    finish_reason: str | None = None
-    num_preemptions: int = 0
-    order: int = 0  # admission order
-    first_token_time: float | None = None
-    tenant: str = "public"
-    weight: float = 1.0  # fair-share weight of the tenant
-    pin: PinSpec | None = None  # cache_control: pin the prompt's first pin.num_tokens tokens
-    seq: tuple[float, int] = (0.0, -1)  # queue order: (arrival, add order), kept across preemptions
-    admit_time: float | None = None  # first admission (monotonic)
-    pinned_tokens: int = 0  # tokens pinned (or renewed) for this request
-    cache_creation_tokens: int = 0  # pinned prefix tokens this request computed (not read from the cache)
-
-    @property
-    def all_tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def sid(self) -> int:
-        """The cache sequence of an admitted request (RuntimeError before admission or after release)."""
-        if self.seq_id is None:
-            raise RuntimeError(f"request {self.request_id!r} holds no cache sequence")
-        return self.seq_id
-
-    @property
-    def prefilling(self) -> bool:
-        """Still before its first sampled token, or recomputing after a preemption."""
-        return not self.output or self.num_computed < len(self.prompt) + len(self.output) - 1
-
-
-@dataclass(frozen=True)
-class PrefillPiece:
-    req: Request
-    start: int  # position of the first new token
-    tokens: list[int]
-    samples: bool  # this piece ends the prompt: sample the next token from its last row
-    write: bool = True  # False: a fully cached prompt's last token, run for its logits only (its K/V are cached)
-
-
-@dataclass
-class StepPlan:
-    prefills: list[PrefillPiece] = field(default_factory=list)
-    decodes: list[Request] = field(default_factory=list)  # in tree order (decode_ctx rows)
-    decode_ctx: object | None = None  # ChunkContext of the decode rows
-    slot_chunks: list[int] = field(default_factory=list)  # per new token, in batch row order
-    slot_offsets: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(p.tokens) for p in self.prefills) + len(self.decodes)
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+HOLD_FIRST_TOKENS = 4  # a step that ends this many prompts takes no piece of a prompt it cannot end
+SCAN_WAITING = 8  # waiting requests per tenant that compete for the next prefill piece (oldest first)
 
 
 @dataclass(frozen=True)
@@ -113,6 +48,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_model_len: int = 8192
     fair_share: bool = True  # VTC order across tenants; False: first come, first served
+    fair_quantum: float = 2048.0  # FairnessConfig.quantum: lead (weighted tokens) within which shorter work goes first
     max_pinned_fraction: float = 0.5  # at most this share of the pool may be pinned (cache_control)
 
     def __post_init__(self) -> None:
@@ -131,13 +67,15 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self.waiting: list[Request] = []  # in arrival order (seq)
+        self._waiting_by_tenant: dict[str, list[Request]] = {}  # the same requests per tenant, in arrival order
+        self._step = 0
         self.running: list[Request] = []
         self._order = itertools.count()
         self._seq = itertools.count()
         self.num_preemptions = 0
         self._preempted_now: set[int] = set()
         self._slots: dict[int, tuple[int, int]] = {}
-        self.fair = FairShare(FairnessConfig(enabled=config.fair_share), clock)
+        self.fair = FairShare(FairnessConfig(enabled=config.fair_share, quantum=config.fair_quantum), clock)
         self.pins = PinManager(cache, config.max_pinned_fraction, clock)
 
     def add(self, req: Request) -> None:
@@ -150,19 +88,27 @@ class Scheduler:
                 if req.pin.on_pool_full == "error":
                     raise PinRefusedError(why)
                 req.pin = None
-        busy = {r.tenant for r in self.waiting} | {r.tenant for r in self.running}
+        busy = set(self._waiting_by_tenant) | {r.tenant for r in self.running}
         self.fair.arrive(req.tenant, req.weight, busy)
         req.seq = (req.arrival, next(self._seq))
-        bisect.insort(self.waiting, req, key=lambda r: r.seq)  # after the queue's later arrivals: ahead of them
+        self._requeue(req)  # after the queue's later arrivals: ahead of them
 
     def _requeue(self, req: Request) -> None:
-        """Back into the waiting queue at its arrival position."""
+        """Into the waiting queue (and its tenant's) at its arrival position."""
         bisect.insort(self.waiting, req, key=lambda r: r.seq)
+        bisect.insort(self._waiting_by_tenant.setdefault(req.tenant, []), req, key=lambda r: r.seq)
+
+    def _unqueue(self, req: Request) -> None:
+        self.waiting.remove(req)
+        queue = self._waiting_by_tenant[req.tenant]
+        queue.remove(req)
+        if not queue:
+            del self._waiting_by_tenant[req.tenant]
 
     def abort(self, request_id: str) -> Request | None:
         for req in list(self.waiting):
             if req.request_id == request_id:
-                self.waiting.remove(req)
+                self._unqueue(req)
                 return req
         for req in self.running:
             if req.request_id == request_id:
@@ -199,37 +145,77 @@ class Scheduler:
         budget -= len(decodes)
         for req in decodes:
             self.fair.charge(req.tenant, decode=1)
-        # prefill pieces in one priority order over running prompts and admissions: a waiting request that
-        # outranks a running one's remaining prompt (a light tenant's, under fair share) is admitted and
-        # prefilled before it; admission stops at the first request that does not fit (no overtaking)
+        # prefill pieces in one order over running prompts and admissions (`_next_prefill`): a waiting request
+        # that goes before a running one's remaining prompt (a light tenant's, under fair share) is admitted
+        # and prefilled first; admission stops at the first request that does not fit (no overtaking)
         in_decode = {id(r) for r in decodes}
-        pending = sorted((r for r in self.running if r.prefilling and id(r) not in in_decode
-                          and id(r) not in self._preempted_now), key=self._priority)
-        admitting = True
-        i, n_wait = -1, 0  # the waiting request next in line: picked again only when the queue changed
+        pending = [r for r in self.running if r.prefilling and id(r) not in in_decode
+                   and id(r) not in self._preempted_now]
+        admitting, ending = True, 0
+        self._step += 1  # `_remaining` matches a waiting request at most once per step
         while budget > 0:
-            nxt: Request | None = None
-            if admitting and self.waiting and len(self.running) < self.config.max_num_seqs:
-                if i < 0 or n_wait != len(self.waiting):  # a preempted prefill piece requeues its request
-                    n_wait = len(self.waiting)
-                    i = next((k for k, r in enumerate(self.waiting) if r is first), -1)
-                    i = i if i >= 0 else self.fair.pick(self.waiting)
-                cand = self.waiting[i]
-                if cand is first or not pending or self._priority(cand) < self._priority(pending[0]):
-                    first = None
-                    if id(cand) in self._preempted_now or not self._admit(cand):
-                        admitting = False
-                        continue
-                    del self.waiting[i]
-                    self.running.append(cand)
-                    nxt, i = cand, -1
-            if nxt is None:
-                if not pending:
-                    break
-                nxt = pending.pop(0)
-            budget -= self._plan_prefill(nxt, budget, plan)
+            can_admit = admitting and bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+            nxt, passed = (first, []) if first is not None and can_admit else self._next_prefill(pending, can_admit)
+            first = None
+            if nxt is None or (ending >= HOLD_FIRST_TOKENS and self._remaining(nxt) > budget):
+                break  # a piece that cannot end its prompt would hold back this step's many first tokens
+            if nxt.status is Status.WAITING:
+                if id(nxt) in self._preempted_now or not self._admit(nxt):
+                    admitting = False
+                    continue
+                self._unqueue(nxt)
+                self.running.append(nxt)
+            else:
+                pending.remove(nxt)
+            n = self._plan_prefill(nxt, budget, plan)
+            for r in passed:  # older requests of its tenant this piece went before (the aging bound)
+                r.overtaken += n
+            ending += bool(plan.prefills and plan.prefills[-1].req is nxt and plan.prefills[-1].samples)
+            budget -= n
         self._plan_decode_batch(decodes, plan)
         return plan
+
+    def _next_prefill(self, pending: list[Request], can_admit: bool) -> tuple[Request | None, list[Request]]:
+        """Whose prompt work goes next: candidates are the running requests with prompt left and, when
+        ``can_admit``, each tenant's oldest `SCAN_WAITING` waiting ones. First come, first served: the oldest.
+        Fair share: each tenant puts forward its oldest overdue request, else its oldest with at most two
+        chunks of prompt left (a chat whose system prompt was just computed), else its oldest; `FairShare.choose`
+        picks among those. A request overtaken by ``fair_quantum`` tokens of its tenant's later arrivals is
+        overdue, so going first by size never starves a long prompt (across tenants the quantum bounds it).
+        Returns it and the older candidates of its tenant it goes before."""
+        if not self.config.fair_share:
+            oldest = min(pending, key=lambda r: r.seq, default=None)
+            if can_admit and (oldest is None or self.waiting[0].seq < oldest.seq):
+                oldest = self.waiting[0]
+            return oldest, []
+        cands = list(pending)
+        if can_admit:
+            for queue in self._waiting_by_tenant.values():  # each in arrival order
+                cands += queue[:SCAN_WAITING]
+        if not cands:
+            return None, []
+        c, q = self.cache.chunk_size, self.config.fair_quantum
+        by_tenant: dict[str, list[Request]] = {}
+        for r in sorted(cands, key=lambda r: r.seq):
+            by_tenant.setdefault(r.tenant, []).append(r)
+        heads = [next((r for r in rs if r.overtaken >= q), None)
+                 or next((r for r in rs if self._remaining(r) <= 2 * c), rs[0]) for rs in by_tenant.values()]
+        nxt = self.fair.choose(heads, self._remaining)
+        return nxt, [r for r in cands if r.tenant == nxt.tenant and r.seq < nxt.seq]
+
+    def _remaining(self, req: Request) -> int:
+        """Prompt tokens (and a preempted request's output but its last) still to compute: a waiting request's
+        cached prefix (its whole matching chunks, `PrefixTree.match_chunks`) is not counted; matched once per step,
+        so chunks planned earlier in the same step count from the next one."""
+        tokens = len(req.prompt) + max(0, len(req.output) - 1)
+        if req.status is Status.RUNNING:
+            return tokens - req.num_computed
+        step, left = req.remaining_at
+        if step != self._step:
+            arr = req.prompt_array() if not req.output else np.asarray(req.all_tokens[:tokens], dtype=np.int64)
+            left = tokens - self.cache.match_chunks(arr, req.salt)
+            req.remaining_at = (self._step, left)
+        return left
 
     def _victim(self, req: Request) -> Request:
         """Whom to preempt so that ``req`` gets a slot: the lowest-priority other running request, but

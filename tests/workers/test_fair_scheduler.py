@@ -175,3 +175,106 @@ def test_a_preempted_request_is_not_readmitted_on_room_that_is_its_own_cached_pr
     sim.drain()
     assert len(sim.done) == 32
     assert 0 < sim.sched.num_preemptions <= 10
+
+
+
+def _burst(quantum: float, tenants: tuple[str, str] = ("a", "b"), fair_share: bool = True) -> dict[str, int]:
+    """Two groups of 4 chats, all at once: a 1,024-token system prompt per group, then a 16-token question
+    (the first pass of a multi-tenant chat load); the groups are ``tenants`` (possibly one tenant twice)."""
+    sim = make_sim(256, max_num_seqs=16, max_num_batched_tokens=512, fair_quantum=quantum, fair_share=fair_share)
+    for k in range(4):
+        for g, t, base in (("a", tenants[0], 1000), ("b", tenants[1], 5000)):
+            sim.add(f"{g}{k}", [base + i for i in range(1024)] + [90 + k] * 16, 4, tenant=t, salt=b"s")
+    sim.drain()
+    return sim.first
+
+
+def test_a_tenants_chats_follow_its_just_computed_system_prompt_before_another_tenants_prompt() -> None:
+    """Within the fairness quantum the shortest remaining prompt goes first: once a's system prompt is
+    computed, a's other chats (16 new tokens each) get their first tokens before b's 1,040-token prompt is
+    done; strict VTC order (quantum 0) alternates the two prompts and every chat waits for both."""
+    first = _burst(2048.0)
+    assert max(first[f"a{k}"] for k in range(4)) < min(first[f"b{k}"] for k in range(4)), first
+    strict = _burst(0.0)
+    assert min(strict.values()) == max(strict.values()), strict  # all at the end of both prompts
+    assert max(first[f"a{k}"] for k in range(4)) < min(strict.values())
+
+
+def test_chats_that_share_a_just_computed_prompt_go_before_the_next_whole_prompt_of_the_same_tenant() -> None:
+    """One tenant (open mode): chats with at most one chunk of prompt left go before its older requests'
+    whole prompts; first come, first served makes every chat wait for both prompts."""
+    first = _burst(2048.0, ("public", "public"))
+    assert max(first[f"a{k}"] for k in range(4)) < min(first[f"b{k}"] for k in range(4)), first
+    fcfs = _burst(2048.0, ("public", "public"), fair_share=False)
+    assert max(fcfs[f"a{k}"] for k in range(1, 4)) >= max(fcfs[f"b{k}"] for k in range(4)) - 1, fcfs
+
+
+def test_the_quantum_bounds_how_far_shorter_work_runs_ahead_of_a_long_prompt() -> None:
+    """A tenant with a 2,048-token prompt waits while another's short prompts go first, but only until that
+    tenant has been served the quantum (plus one step's budget) more than it."""
+    quantum, budget = 512.0, 128
+    sim = make_sim(512, max_num_seqs=64, max_num_batched_tokens=budget, fair_quantum=quantum)
+    sim.add("long", [3] * 2048, 1, tenant="long")
+    for i in range(40):
+        sim.add(f"s{i}", [10_000 + 100 * i + j for j in range(64)], 1, tenant="short")
+    long_req = sim.reqs["long"]
+    served_before = None
+    while sim.sched.has_work() and served_before is None:
+        short_served = sim.sched.fair.tenants["short"].prefill_tokens
+        sim.run_step()
+        if long_req.num_computed > 0:
+            served_before = short_served
+    assert served_before is not None
+    assert 0 < served_before <= quantum + budget, served_before
+
+
+def test_cheap_chats_overtake_an_older_long_prompt_of_their_tenant_by_at_most_the_quantum() -> None:
+    """Aging bound: chats whose prompt is cached but for 16 tokens go before an older 2,048-token prompt of
+    the same tenant until they have been given ``fair_quantum`` prompt tokens; then the long prompt goes."""
+    quantum, budget = 256.0, 128
+    sim = make_sim(512, max_num_seqs=64, max_num_batched_tokens=budget, fair_quantum=quantum)
+    prefix = [7_000 + i for i in range(512)]
+    sim.add("p0", prefix + [1] * 16, 1)
+    sim.drain()  # the shared prefix is cached
+    sim.add("long", [3] * 2048, 1)
+    for i in range(60):
+        sim.add(f"c{i}", prefix + [20_000 + 100 * i + j for j in range(16)], 1)
+    long_req = sim.reqs["long"]
+    cheap_before = None
+    while sim.sched.has_work() and cheap_before is None:
+        done = sum(16 for r, st in sim.first.items() if r.startswith("c"))
+        sim.run_step()
+        if long_req.num_computed > 0:
+            cheap_before = done
+    assert cheap_before is not None
+    assert 0 < cheap_before <= quantum + budget, cheap_before
+
+
+
+@pytest.mark.parametrize("chats", [4, 2])
+def test_a_step_that_ends_four_prompts_takes_no_piece_it_cannot_end(chats: int) -> None:
+    """Four chats whose prompt is cached but for 16 tokens end in one step; a piece of a 2,048-token prompt
+    would only delay their first tokens, so it waits for the next step (with the whole budget). A step that
+    ends fewer prompts still fills its budget."""
+    sim = make_sim(256, max_num_seqs=16, max_num_batched_tokens=512)
+    prefix = [7_000 + i for i in range(512)]
+    sim.add("p0", prefix + [1] * 16, 1)
+    sim.drain()
+    for i in range(chats):
+        sim.add(f"c{i}", prefix + [20_000 + 100 * i + j for j in range(16)], 1)
+    sim.add("long", [3] * 2048, 1)
+    sampled = sim.run_step()
+    assert {r.request_id for r in sampled} == {f"c{i}" for i in range(chats)}
+    assert sim.reqs["long"].num_computed == (0 if chats >= 4 else 512 - 16 * chats)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), True, "2048"])
+def test_a_bad_fair_quantum_is_refused_when_the_engine_config_is_built(bad: object) -> None:
+    from chunkserve.workers.engine_config import EngineConfig
+    from chunkserve.workers.fairness import FairnessConfig
+
+    with pytest.raises(ValueError, match="fair_quantum"):
+        EngineConfig(fair_quantum=bad)  # type: ignore[arg-type]
+    if isinstance(bad, float):
+        with pytest.raises(ValueError, match="quantum"):
+            FairnessConfig(quantum=bad)

@@ -221,3 +221,20 @@ def test_context_rows_follow_tree_order_and_map_back_to_callers_order() -> None:
     firsts = [r[0] for r in rows]
     assert firsts == sorted(firsts, key=firsts.index)  # equal first chunks are adjacent
     assert ctx.num_runs == 2 and all(j - i == 2 for i, j, *_ in ctx.runs_host)
+
+
+def test_match_chunks_counts_whole_matching_chunks_and_never_more_than_match() -> None:
+    """The scheduler's cheap ranking match: whole chunks (and a whole partial leaf), not the head of a chunk
+    that goes on differently."""
+    import numpy as np
+
+    cache = make()
+    full = list(range(100, 152))  # 3 full chunks of 16 + a partial leaf of 4
+    k, v = kv(len(full))
+    cache.remove_sequence(cache.add_sequence(full, k, v))
+    arr = np.asarray(full, dtype=np.int64)
+    assert cache.match_chunks(arr) == 52
+    diverging = np.asarray(full[:40] + [7] * 12, dtype=np.int64)  # differs inside the third chunk
+    assert cache.match_chunks(diverging) == 32
+    assert cache.match(diverging.tolist()) == 40  # match also reuses the chunk's head
+    assert cache.match_chunks(arr, b"other tenant") == 0
