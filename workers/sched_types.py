@@ -68,9 +68,14 @@ class Request:
         return self.seq_id
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens whose K/V its (re)prefill computes: the prompt, after a preemption also the output but its last."""
+        return len(self.prompt) + max(0, len(self.output) - 1)
+
+    @property
     def prefilling(self) -> bool:
         """Still before its first sampled token, or recomputing after a preemption."""
-        return not self.output or self.num_computed < len(self.prompt) + len(self.output) - 1
+        return not self.output or self.num_computed < self.prefill_len
 
 
 @dataclass(frozen=True)

@@ -204,10 +204,10 @@ class Scheduler:
         return nxt, [r for r in cands if r.tenant == nxt.tenant and r.seq < nxt.seq]
 
     def _remaining(self, req: Request) -> int:
-        """Prompt tokens (and a preempted request's output but its last) still to compute: a waiting request's
-        cached prefix (its whole matching chunks, `PrefixTree.match_chunks`) is not counted; matched once per step,
-        so chunks planned earlier in the same step count from the next one."""
-        tokens = len(req.prompt) + max(0, len(req.output) - 1)
+        """Tokens of its `prefill_len` still to compute: a waiting request's cached prefix (its whole matching
+        chunks, `PrefixTree.match_chunks`) is not counted; matched once per step, so chunks planned earlier in
+        the same step count from the next one."""
+        tokens = req.prefill_len
         if req.status is Status.RUNNING:
             return tokens - req.num_computed
         step, left = req.remaining_at
@@ -266,7 +266,7 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool:
         """Reserve the cached prefix; admit only if the rest of the prompt fits the free chunks."""
-        tokens = req.all_tokens if not req.output else req.all_tokens[:-1]
+        tokens = req.all_tokens[:req.prefill_len]
         need_tokens = len(tokens)
         if req.output:  # a preempted request recomputes prompt + output[:-1], then decodes output[-1]
             need_tokens += 1
@@ -298,12 +298,12 @@ class Scheduler:
         total = 0
         for r in self.running:
             if r.prefilling:
-                left = len(r.prompt) + max(0, len(r.output) - 1) - r.num_computed
+                left = r.prefill_len - r.num_computed
                 total += -(-left // c)
         return total
 
     def _plan_prefill(self, req: Request, budget: int, plan: StepPlan) -> int:
-        tokens = req.all_tokens if not req.output else req.all_tokens[:-1]
+        tokens = req.all_tokens[:req.prefill_len]
         n = min(budget, len(tokens) - req.num_computed)
         if n <= 0:
             if req.output or budget <= 0:

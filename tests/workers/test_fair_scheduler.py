@@ -201,7 +201,7 @@ def test_a_tenants_chats_follow_its_just_computed_system_prompt_before_another_t
 
 
 def test_chats_that_share_a_just_computed_prompt_go_before_the_next_whole_prompt_of_the_same_tenant() -> None:
-    """One tenant (open mode): chats with at most one chunk of prompt left go before its older requests'
+    """One tenant (open mode): chats with at most two chunks of prompt left go before its older requests'
     whole prompts; first come, first served makes every chat wait for both prompts."""
     first = _burst(2048.0, ("public", "public"))
     assert max(first[f"a{k}"] for k in range(4)) < min(first[f"b{k}"] for k in range(4)), first
