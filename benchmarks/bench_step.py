@@ -10,10 +10,12 @@ scheduler.schedule, model.forward, the bound matmuls of the layers, the per-laye
 call and its attention kernels (`_prefill`/`_decode`), model.compute_logits, sampler.sample.
 
 Categories, ms per step: matmul (the layers' linears), lm_head, attn_kernel (with the fused CPU
-decode layer, `kernels/cpu_layer.py`, its one call, K/V writes included), kv_write+glue
+decode layer, `kernels/cpu_layer.py`, its one call, K/V writes included), program (block-quantised
+models: every layer of a decode step in one call, `workers/step_program.py`: the layers' matmuls,
+attention, norms and residual adds; `--no-program` times those calls one by one from Python), kv_write+glue
 (`StepAttention` minus the kernels: K/V scatter into the pool, dispatch), layer_other (embedding,
 norms, RoPE, residual adds, SwiGLU, the Python of the layer loop), schedule, sample, rest (runner
-glue, detokenise, bookkeeping). "overhead %" = everything but matmul, lm_head and attn_kernel, as a
+glue, detokenise, bookkeeping). "overhead %" = everything but matmul, lm_head, attn_kernel and program, as a
 share of the step. `--clock thread` times with the thread's CPU clock: with one intra-op thread this
 is the step's own work, without the time the OS gives other processes (use it on a shared machine).
 `--profile` adds torch.profiler's top ops of batch-1 steps and the number of aten ops per step. Each batch size runs `--rounds` timed
@@ -33,11 +35,17 @@ from typing import Any
 import torch
 
 from chunkserve.workers import runner as runner_mod
+
+try:
+    from chunkserve.workers import step_program
+except ImportError:  # trees before the one-call decode step
+    step_program = None  # type: ignore[assignment]
 from chunkserve.workers.engine import EngineConfig, EngineCore
 from chunkserve.workers.sampling import SamplingParams
 
 PROMPT = "The history of the old harbour town begins with"
-CATEGORIES = ("matmul", "lm_head", "attn_kernel", "kv_write+glue", "layer_other", "schedule", "sample", "rest")
+CATEGORIES = ("matmul", "lm_head", "attn_kernel", "program", "kv_write+glue", "layer_other", "schedule", "sample",
+              "rest")
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
@@ -98,6 +106,10 @@ def instrumented(core: EngineCore, timers: Timers) -> Iterator[None]:
     if fused_cls is not None:
         saved_methods_fused = fused_cls.__call__
         fused_cls.__call__ = timers.wrap("attn_kernel", saved_methods_fused)
+    prog_cls = getattr(step_program, "StepProgram", None)  # every layer of a decode step in one call
+    if prog_cls is not None:
+        saved_prog_run = prog_cls.run
+        prog_cls.run = timers.wrap("program", saved_prog_run)
     patched = {"schedule": (core.scheduler, "schedule"), "forward": (model, "forward"),
                "lm_head": (model, "compute_logits"), "sample": (core.sampler, "sample")}
     for name, (obj, attr) in patched.items():
@@ -125,6 +137,8 @@ def instrumented(core: EngineCore, timers: Timers) -> Iterator[None]:
             setattr(runner_mod, n, fn)
         if fused_cls is not None:
             fused_cls.__call__ = saved_methods_fused
+        if prog_cls is not None:
+            prog_cls.run = saved_prog_run
 
 
 def start_decoding(core: EngineCore, batch: int, gen_tokens: int, tag: str) -> None:
@@ -157,12 +171,13 @@ def timed_round(core: EngineCore, batch: int, steps: int, clock: Callable[[], fl
     per = {k: v * 1e3 / steps for k, v in timers.total.items()}
     step = t_step * 1e3 / steps
     out = {"step": step, "matmul": per.get("matmul", 0.0), "lm_head": per.get("lm_head", 0.0),
-           "attn_kernel": per.get("attn_kernel", 0.0),
+           "attn_kernel": per.get("attn_kernel", 0.0), "program": per.get("program", 0.0),
            "kv_write+glue": per.get("step_attention", 0.0) - per.get("attn_kernel", 0.0),
            "schedule": per.get("schedule", 0.0), "sample": per.get("sample", 0.0)}
-    out["layer_other"] = per.get("forward", 0.0) - per.get("step_attention", 0.0) - out["matmul"]
+    out["layer_other"] = per.get("forward", 0.0) - per.get("step_attention", 0.0) - out["matmul"] - out["program"]
     out["rest"] = step - per.get("forward", 0.0) - out["lm_head"] - out["schedule"] - out["sample"]
-    out["overhead_pct"] = 100.0 * (step - out["matmul"] - out["lm_head"] - out["attn_kernel"]) / step
+    model_work = out["matmul"] + out["lm_head"] + out["attn_kernel"] + out["program"]
+    out["overhead_pct"] = 100.0 * (step - model_work) / step
     return out
 
 
@@ -214,11 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=128, help="tokens of the single-stream run")
     ap.add_argument("--repeats", type=int, default=3, help="single-stream runs (the fastest is shown)")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops at batch 1")
+    ap.add_argument("--no-program", action="store_true",
+                    help="run decode layers from Python (the same calls, timed apart) instead of one call per step")
     args = ap.parse_args(argv)
     extra: dict[str, Any] = {"quantization": args.quantization} if args.quantization else {}
     cfg = EngineConfig(model=args.model, dtype=None if args.dtype == "auto" else args.dtype,
                        num_threads=args.threads, kv_cache_gb=0.5, **extra)
     core = EngineCore(cfg)
+    if args.no_program:
+        core.model.step_programs = False
     clock = CLOCKS[args.clock]
     load = os.getloadavg()
     print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; torch {torch.__version__} "

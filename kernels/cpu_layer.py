@@ -60,6 +60,9 @@ class FusedDecodeLayer:
         self._fn = kern.decode_layer
         self._plan = plan
         self._plan_ref = ctypes.byref(plan)
+        # for a caller that runs the layers itself (`workers/step_program.py`): cs_decode_layer and its plan
+        self.fn_addr: int = ctypes.cast(kern.decode_layer, ctypes.c_void_p).value or 0
+        self.plan_addr: int = ctypes.addressof(plan)
         self._keep = keep  # the tensors the plan points into
         self._shape, self._dtype = shape, dtype
 

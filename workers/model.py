@@ -25,8 +25,9 @@ from chunkserve.workers.linear import (
     packed_linear,
     plain_linear,
 )
-from chunkserve.workers.quant import BlockWeight, Q4Weight, Q8Weight, block_linear, fused_block_linear
+from chunkserve.workers.quant import BlockWeight, Q4Weight, Q8Weight, block_linear
 from chunkserve.workers.rope import rope_inv_freq
+from chunkserve.workers.step_program import StepPrograms
 
 __all__ = ["AttentionFn", "CausalLM", "DenseCausalAttention", "LayerWeights", "Weight", "rope_inv_freq"]
 
@@ -96,6 +97,8 @@ class CausalLM:
         self._fns_rows: list[tuple[Callable[..., torch.Tensor], ...]] = []
         self._head: LinearFn = plain_linear(embed, None)
         self._fused = False  # the bound matmuls carry the norms, SwiGLU and residual adds (block-quantised)
+        self._programs: StepPrograms | None = None  # with them: decode steps' layer loops as one call
+        self.step_programs = True  # off: the Python layer loop (the same calls; benchmarks time them apart)
         self._bind()
 
     def _linear_fns(self, w: Weight, b: torch.Tensor | None, packed: torch.Tensor | None) -> tuple[LinearFn, LinearFn]:
@@ -116,11 +119,14 @@ class CausalLM:
 
     def _bind(self) -> None:
         """Rebuild the bound matmuls after the weights or their packed copies change."""
-        fused = self._bind_fused()
-        self._fns_row, self._fns_rows, self._fused = [], [], fused is not None
-        if fused is not None:
-            self._fns_row = self._fns_rows = fused
-        for i, lw in enumerate(self.layers if fused is None else ()):
+        c = self.config
+        # block-quantised layers (with the kernel): each matmul call carries its norm, SwiGLU, residual add
+        self._programs = StepPrograms.bind(self.layers, c.rms_norm_eps, c.hidden_size,
+                                           (c.num_heads, c.num_kv_heads, c.head_dim), self.dtype)
+        self._fns_row, self._fns_rows, self._fused = [], [], self._programs is not None
+        if self._programs is not None:
+            self._fns_row = self._fns_rows = list(self._programs.fns)
+        for i, lw in enumerate(self.layers if self._programs is None else ()):
             pk = self._packed[i] if self._packed is not None else (None, None, None, None)
             pairs = [self._linear_fns(w, b, p) for (w, b), p in zip(lw.matmuls(), pk, strict=True)]
             self._fns_row.append(tuple(p[0] for p in pairs))
@@ -129,23 +135,6 @@ class CausalLM:
             self._head = block_linear(self.lm_head, None, self.dtype, torch.float32)
         else:
             self._head = self._linear_fns(self.lm_head, None, self._packed_head)[1]  # as fast or faster there
-
-    def _bind_fused(self) -> list[tuple[Callable[..., torch.Tensor], ...]] | None:
-        """Block-quantised layers with the kernel available: (qkv with RMSNorm ln1 in, o, gate_up with RMSNorm
-        ln2 in, down with SwiGLU in) per layer; o and down add into the residual (`f(x, h)`). None otherwise."""
-        if not all(isinstance(w, Q4Weight | Q8Weight) for lw in self.layers for w, _ in lw.matmuls()):
-            return None
-        eps = self.config.rms_norm_eps
-        out: list[tuple[Callable[..., torch.Tensor], ...]] = []
-        for lw in self.layers:
-            fns = (fused_block_linear(lw.w_qkv, lw.b_qkv, self.dtype, norm=(lw.ln1, eps)),  # type: ignore[arg-type]
-                   fused_block_linear(lw.w_o, lw.b_o, self.dtype),  # type: ignore[arg-type]
-                   fused_block_linear(lw.w_gate_up, lw.b_gate_up, self.dtype, norm=(lw.ln2, eps)),  # type: ignore[arg-type]
-                   fused_block_linear(lw.w_down, lw.b_down, self.dtype, glu=True))  # type: ignore[arg-type]
-            if any(f is None for f in fns):
-                return None
-            out.append(tuple(f for f in fns if f is not None))
-        return out
 
     def prepack(self, batch_hint: int = 32) -> bool:
         """Reorder the dense matmul weights once into oneDNN's blocked layout (CPU fp32/bf16); returns whether.
@@ -362,6 +351,10 @@ class CausalLM:
             raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings "
                              f"{c.max_position_embeddings}")
         input_ids = input_ids.to(self.device)
+        if self._programs is not None and self.step_programs:
+            h = self._programs.forward(attn, self.embed, self._cos, self._sin, input_ids, positions)
+            if h is not None:  # a decode step, every layer in one call (`workers/step_program.py`)
+                return self._rms_norm(h, self.norm)
         cos, sin = self.rope_tables(positions.to(self.device))  # [T, 1, D] each
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         half, qk_size, q_size = d // 2, c.q_size + c.kv_size, c.q_size

@@ -22,7 +22,6 @@ import ctypes
 import functools
 import logging
 import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +37,6 @@ SOURCE = Path(__file__).with_name("csrc") / "qmatmul.cpp"
 BLOCK = 32
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SERIAL_WORK = 1 << 17  # int8 multiply-adds (M * N * K) below which one thread does the call
-FusedLinear = Callable[..., torch.Tensor]  # (x [T, K]) -> y [T, N], or (x, out [T, N]) -> out += x . W^T
 
 
 @dataclass(frozen=True)
@@ -146,17 +144,21 @@ class _CsQWeight(ctypes.Structure):
 
 
 class QKernel:
-    """ctypes binding of ``cs_q_linear``."""
+    """ctypes binding of ``cs_q_linear`` and ``cs_q_run`` (a list of calls, `workers/step_program.py`)."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        if lib.cs_q_abi_version() != 5:
+        if lib.cs_q_abi_version() != 6:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_q_linear
         i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         fn.argtypes = [ptr, ptr, cint, i64, i64, ptr, i64, cint, ptr, ptr, i64, i64, cint]
         fn.restype = cint
         self.fn = fn
+        run = lib.cs_q_run
+        run.argtypes = [ptr, i64, ptr]
+        run.restype = cint
+        self.run = run
         self.simd = bool(lib.cs_q_simd())
 
 
@@ -185,11 +187,11 @@ def block_linear(w: BlockWeight, b: torch.Tensor | None, dtype: torch.dtype,
             return F.linear(x.to(out_dtype), w.dequantize(out_dtype), bias)
 
         return dequant_run
-    return _BlockLinear(kern, w, b, dtype, out_dtype)
+    return BlockLinear(kern, w, b, dtype, out_dtype)
 
 
 def fused_block_linear(w: BlockWeight, b: torch.Tensor | None, dtype: torch.dtype, *,
-                       norm: tuple[torch.Tensor, float] | None = None, glu: bool = False) -> FusedLinear | None:
+                       norm: tuple[torch.Tensor, float] | None = None, glu: bool = False) -> BlockLinear | None:
     """The kernel's linear with a prologue on its input, or None when the kernel is unavailable here.
 
     norm (weight [K] in `dtype`, eps): RMSNorm of the input first; glu: the input rows hold 2K values
@@ -199,14 +201,14 @@ def fused_block_linear(w: BlockWeight, b: torch.Tensor | None, dtype: torch.dtyp
     kern = load_kernel() if w.q.device.type == "cpu" else None
     if kern is None or dtype not in _DTYPE_CODES:
         return None
-    return _BlockLinear(kern, w, b, dtype, dtype, norm=norm, glu=glu)
+    return BlockLinear(kern, w, b, dtype, dtype, norm=norm, glu=glu)
 
 
-class _BlockLinear:
+class BlockLinear:
     """The kernel's call over one weight; holds the weight, the bias and the argument struct alive."""
 
-    __slots__ = ("addr", "args", "bias", "dtype", "fn", "in_k", "k", "n", "norm_w", "out_dtype", "serial_rows",
-                 "w", "xcode")
+    __slots__ = ("addr", "args", "bias", "dtype", "fn", "in_k", "k", "kern", "n", "norm_w", "out_dtype",
+                 "serial_rows", "w", "xcode")
 
     def __init__(self, kern: QKernel, w: BlockWeight, b: torch.Tensor | None, dtype: torch.dtype,
                  out_dtype: torch.dtype, norm: tuple[torch.Tensor, float] | None = None, glu: bool = False) -> None:
@@ -222,9 +224,13 @@ class _BlockLinear:
                                None if self.bias is None else self.bias.data_ptr(), self.n, self.k,
                                None if self.norm_w is None else self.norm_w.data_ptr(),
                                0.0 if norm is None else float(norm[1]), int(glu))
-        self.addr, self.fn = ctypes.addressof(self.args), kern.fn
+        self.addr, self.fn, self.kern = ctypes.addressof(self.args), kern.fn, kern
         self.dtype, self.out_dtype, self.xcode = dtype, out_dtype, _DTYPE_CODES[dtype]
         self.serial_rows = max(1, SERIAL_WORK // (self.n * self.k))  # calls of fewer rows run on one thread
+
+    def threads_for(self, rows: int) -> int:
+        """Threads a call over ``rows`` activation rows runs on."""
+        return 1 if rows < self.serial_rows else torch.get_num_threads()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
@@ -254,7 +260,7 @@ class _BlockLinear:
                 raise ValueError(f"rope tables must be contiguous [{t}, D] {self.out_dtype}")
             cos_p, sin_p = cos.data_ptr(), sin.data_ptr()
         rc = self.fn(self.addr, x.data_ptr(), self.xcode, t, x.stride(0), y.data_ptr(), y.stride(0), acc,
-                     cos_p, sin_p, cols, d, 1 if t < self.serial_rows else torch.get_num_threads())
+                     cos_p, sin_p, cols, d, self.threads_for(t))
         if rc != 0:
             raise RuntimeError(f"cs_q_linear failed with code {rc} (N={self.n} K={self.k} T={t})")
         return y

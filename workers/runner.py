@@ -28,6 +28,7 @@ from chunkserve.workers.kvcontext import HostContext
 from chunkserve.workers.model import CausalLM
 from chunkserve.workers.scheduler import Request, StepPlan
 from chunkserve.workers.staging import Staging
+from chunkserve.workers.step_program import DecodeLayers
 
 # stage(staging, sampling requests) -> bind(flushed tensors): lets the sampler ride the step's copy
 SampleStager = Callable[[Staging, list[Request]], Callable[[list[torch.Tensor]], Any]]
@@ -131,15 +132,28 @@ class StepAttention:
         # (decided on layer 0; False = not this step)
         self._fused: FusedDecodeLayer | bool | None = None
 
+    def fusable(self) -> bool:
+        """Whether this step may run as one-call decode layers (decode rows only, on the CPU torch path)."""
+        return (self.num_prefill == 0 and self.ctx is not None and not self.cache.pending_copies
+                and self.decode_backend in ("auto", "torch") and self.pools.k_pool.device.type == "cpu")
+
     def _fuse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kp: torch.Tensor,
               vp: torch.Tensor) -> FusedDecodeLayer | bool:
         self._fused = False
-        if (self.num_prefill == 0 and self.ctx is not None and not self.cache.pending_copies
-                and self.decode_backend in ("auto", "torch") and kp.device.type == "cpu"):
+        if self.fusable() and self.ctx is not None:
             check_decode_inputs(q, kp, vp, self.ctx.batch_size)
             self._fused = FusedDecodeLayer.build(q, k, v, kp, vp, self.ctx, self.slots, self.write_rows,
                                                  self.scale, self.workspace or Workspace()) or False
         return self._fused
+
+    def fused_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> DecodeLayers | None:
+        """This step's one-call attention layer and every layer's pools, for a model that runs its layer
+        loop itself (`workers/step_program.py`), or None when the step is not of that form. q: [b, Hq, D],
+        k, v: [b, Hkv, D]: the buffers the model will fill (their shapes and strides are checked)."""
+        fused = self._fuse(q, k, v, self.pools.k[0], self.pools.v[0])
+        if not isinstance(fused, FusedDecodeLayer):
+            return None
+        return DecodeLayers(fused, self.pools.k_addrs, self.pools.v_addrs)
 
     def _prefill(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
         assert self.prefill_tables is not None
@@ -191,6 +205,8 @@ class PoolViews:
         self.v = list(self.v_pool.unbind(0))
         self.k_flat = [t.view(hkv, n * c, d) for t in self.k]  # L x [Hkv, N*c, D]: flat slot index
         self.v_flat = [t.view(hkv, n * c, d) for t in self.v]
+        self.k_addrs = np.array([t.data_ptr() for t in self.k], dtype=np.int64)  # [L]
+        self.v_addrs = np.array([t.data_ptr() for t in self.v], dtype=np.int64)
 
     def current(self, cache: PrefixKVCache) -> bool:
         """Whether these views still belong to the cache's pool tensors."""

@@ -240,7 +240,7 @@ struct CsQWeight {
   int32_t glu;  // prologue SwiGLU: x rows hold 2K values (gate, up)
 };
 
-int cs_q_abi_version() { return 5; }
+int cs_q_abi_version() { return 6; }
 int cs_q_simd() { return CS_Q_AVX2; }
 int64_t cs_q_block_bytes(int wtype) { return wtype == 0 ? kQ4Bytes : kQ8Bytes; }
 
@@ -305,6 +305,40 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
 #pragma omp barrier
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) rope(m);
+    }
+  }
+  return 0;
+}
+
+
+// A decode step's layer loop as one call (`workers/step_program.py`): `n` records of kOpWords int64 each,
+// run in order; stops at the first call that fails and returns its code, with its index in *failed.
+//   kind 0, a linear:       [0, w, x, xdtype, M, ldx, y, ldy, accumulate, rope_cos, rope_sin, rope_cols, head_dim,
+//                            nthreads] (the arguments of cs_q_linear);
+//   kind 1, a foreign call: [1, fn, a0 .. a9] with fn an int(*)(void*, void*, int64, void*, int64, void*, int64,
+//                            void*, void*, void*) (`kernels/csrc/decode_cpu.cpp: cs_decode_layer`).
+constexpr int64_t kOpWords = 16;
+typedef int (*CsLayerFn)(const void*, const void*, int64_t, const void*, int64_t, const void*, int64_t, void*, void*,
+                         void*);
+
+int cs_q_run(const int64_t* ops, int64_t n, int64_t* failed) {
+  auto ptr = [](int64_t v) { return reinterpret_cast<void*>(static_cast<intptr_t>(v)); };
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* o = ops + i * kOpWords;
+    int rc;
+    if (o[0] == 0) {
+      rc = cs_q_linear(static_cast<const CsQWeight*>(ptr(o[1])), ptr(o[2]), static_cast<int>(o[3]), o[4], o[5],
+                       ptr(o[6]), o[7], static_cast<int>(o[8]), ptr(o[9]), ptr(o[10]), o[11], o[12],
+                       static_cast<int>(o[13]));
+    } else if (o[0] == 1 && o[1] != 0) {
+      rc = reinterpret_cast<CsLayerFn>(ptr(o[1]))(ptr(o[2]), ptr(o[3]), o[4], ptr(o[5]), o[6], ptr(o[7]), o[8],
+                                                   ptr(o[9]), ptr(o[10]), ptr(o[11]));
+    } else {
+      rc = -100;
+    }
+    if (rc != 0) {
+      if (failed != nullptr) *failed = i;
+      return rc;
     }
   }
   return 0;
