@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
+from chunkserve.workers.cpu_budget import lower_thread_priority
 from chunkserve.workers.engine import EngineConfig, EngineCore
 from chunkserve.workers.protocol import (
     EngineDeadError,
@@ -203,6 +204,7 @@ class AsyncEngine:
             self._deliver(failed)
 
     def _run(self) -> None:
+        lower_thread_priority(self.core.config.thread_nice)  # `cpu_budget.py`: the serving path goes first
         try:
             self._loop()
         except BaseException:

@@ -1,14 +1,22 @@
-"""How many engine threads a worker gets on a small machine (torch-free, shared by workers and the launcher).
+"""How many engine threads a worker gets on a small machine, and their priority (torch-free, shared by workers and
+the launcher).
 
 Rule: the engine (torch intra-op) threads of all workers on a node sum to at most the node's cores minus
 ``reserved_cpus`` (the ingress, the HTTP/gRPC proxies and Ray's own processes), shared evenly, and every
 worker gets at least one thread. Oversubscribing cores is what hurts most: an OpenMP step waits for its
 slowest thread, so one thread preempted by the ingress stalls the whole step.
+
+Priority: a served engine thread runs ``EngineConfig.thread_nice`` (default 4) nice levels below its process
+(`lower_thread_priority`; Ray already runs its workers at nice 15): when the ingress, a proxy or the worker's
+event loop wakes for a request or a stream item, it gets a core at once instead of waiting out the engine's
+time slice. The engine loses only the CPU those threads use.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from collections.abc import Mapping
 
 
@@ -31,3 +39,18 @@ def rule_threads(rule: Mapping[str, int]) -> int:
     ``"node_cpus"``: the cores to count instead of this process's)."""
     cpus = rule.get("node_cpus") or available_cpus()
     return engine_threads(cpus, rule["workers_per_node"], rule["reserved_cpus"])
+
+
+def lower_thread_priority(delta: int) -> int | None:
+    """Add ``delta`` to the calling thread's nice value (at most 19): the thread then yields its core at once to
+    the latency-bound threads that wake on the node (Linux, where the nice value is per thread). Returns the new
+    value, or None when nothing changed (``delta`` <= 0, another OS, or the OS refused)."""
+    if delta <= 0 or not sys.platform.startswith("linux"):
+        return None
+    tid = threading.get_native_id()
+    try:
+        nice = min(19, os.getpriority(os.PRIO_PROCESS, tid) + int(delta))
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+        return None
+    return nice

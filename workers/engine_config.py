@@ -41,6 +41,8 @@ class EngineConfig:
     fair_quantum: float = 2048.0  # weighted tokens a tenant may lead the least served one by while its shorter
     # prompts go first (0: strict VTC order; workers/fairness.py)
     max_pinned_fraction: float = 0.5  # cache_control pins may hold at most this share of the KV pool
+    thread_nice: int = 4  # served engines (AsyncEngine): added to the engine thread's nice value (at most 19), so
+    # the serving path's latency-bound threads on the node (event loops, ingress, proxies) preempt its compute
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -53,5 +55,7 @@ class EngineConfig:
         if isinstance(self.fair_quantum, bool) or not (isinstance(self.fair_quantum, (int, float))
                                                        and 0 <= self.fair_quantum < float("inf")):
             raise ValueError(f"fair_quantum must be a finite number >= 0, got {self.fair_quantum!r}")
+        if isinstance(self.thread_nice, bool) or not isinstance(self.thread_nice, int) or not 0 <= self.thread_nice <= 19:
+            raise ValueError(f"thread_nice must be an integer in [0, 19], got {self.thread_nice!r}")
         if self.quantization is not None and self.quantization not in QUANT_MODES:
             raise ValueError(f"quantization must be one of {QUANT_MODES} or None, got {self.quantization!r}")

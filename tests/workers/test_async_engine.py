@@ -236,3 +236,27 @@ def test_a_shut_down_engine_fails_running_and_new_requests_with_engine_dead_erro
     assert got >= 2 and isinstance(err, EngineDeadError)
     with pytest.raises(EngineDeadError):
         asyncio.run(run(eng, request("late", [1, 2, 3]), None))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+@pytest.mark.parametrize("nice", [0, 3])
+def test_the_served_engine_thread_runs_thread_nice_levels_below_its_process(nice: int) -> None:
+    import os
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's (the engine thread is started from it)
+    if base + nice > 19:
+        pytest.skip("this process already runs at the lowest priority")
+    eng = AsyncEngine(EngineConfig(model="random:tiny", chunk_size=CHUNK, num_kv_chunks=8, thread_nice=nice))
+    try:
+        asyncio.run(run(eng, request(f"nice-{nice}", [1, 2, 3], 2), None))  # the loop is running by now
+        tid = eng._thread.native_id
+        assert tid is not None and os.getpriority(os.PRIO_PROCESS, tid) == base + nice
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's thread is untouched
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("bad", [-1, 20, True, 2.5])
+def test_engine_config_refuses_a_thread_nice_outside_0_to_19(bad: object) -> None:
+    with pytest.raises(ValueError, match="thread_nice"):
+        EngineConfig(thread_nice=bad)  # type: ignore[arg-type]

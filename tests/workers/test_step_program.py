@@ -15,8 +15,8 @@ from chunkserve.workers.sampling import SamplingParams
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler: the program needs the kernel")
 
 
-def _core(**kw: object) -> EngineCore:
-    return EngineCore(EngineConfig(model="random:tiny", dtype="float32", chunk_size=16, num_kv_chunks=64,
+def _core(dtype: str = "float32", **kw: object) -> EngineCore:
+    return EngineCore(EngineConfig(model="random:tiny", dtype=dtype, chunk_size=16, num_kv_chunks=64,
                                    quantization="int4", **kw))  # type: ignore[arg-type]
 
 
@@ -45,15 +45,15 @@ class _Counting:
         monkeypatch.setattr(step_program.StepProgram, "run", run)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("threads", "dtype"), [(1, "float32"), (2, "float32"), (1, "bfloat16")])
 def test_decode_steps_run_as_one_call_and_give_the_python_loops_tokens_and_logprobs(
-        threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        threads: int, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = {"one": [5, 6, 7, 8, 9], "two": list(range(40, 61)), "three": [3] * 33}
-    loop = _core(num_threads=threads)
+    loop = _core(dtype, num_threads=threads)
     loop.model.step_programs = False
     want = _generate(loop, prompts)
     counting = _Counting(monkeypatch)
-    core = _core(num_threads=threads)
+    core = _core(dtype, num_threads=threads)
     assert _generate(core, prompts) == want  # bitwise: the same calls in the same order
     assert counting.calls >= 11  # every decode-only step (3 rows, then fewer as requests finish)
     assert _generate(core, {"alone": [9, 8, 7]}) == _generate(loop, {"alone": [9, 8, 7]})  # batch 1
