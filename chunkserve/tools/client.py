@@ -150,7 +150,8 @@ def dist_ms(xs: Sequence[float]) -> dict[str, float] | None:
 def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """The figures of one run. Throughput is completion tokens over the run's wall time (first request sent
     to last one finished); TPOT is (last content - first content) / (tokens - 1) per request; decode
-    tok/s is the median of its inverse over requests (the lone-stream figure)."""
+    tok/s is the median of its inverse over requests (the lone-stream figure); ``by_tenant``: each tenant's
+    sorted TTFTs (s) and cached tokens (where a first pass waits, and which prompts were recomputed)."""
     ok = [r for r in records if r.ok]
     out: dict[str, Any] = {"requests": len(records), "failed": len(records) - len(ok),
                            "errors": sorted({r.error for r in records if r.error})[:3]}
@@ -177,5 +178,15 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "decode_tok_per_s": round(statistics.median(1 / t for t in tpots), 2) if tpots else None,
         "events_per_request": round(sum(r.events for r in ok) / len(ok), 1),
         "usage_reported": all(r.usage_reported for r in ok),
+        "by_tenant": {t: {"ttft_s": sorted(round(r.first - r.start, 3) for r in rs if r.first is not None),
+                          "cached_tokens": sum(r.cached_tokens or 0 for r in rs)}
+                      for t, rs in sorted(_by_tenant(ok).items())},
     })
+    return out
+
+
+def _by_tenant(records: Sequence[RequestRecord]) -> dict[str, list[RequestRecord]]:
+    out: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        out.setdefault(r.tenant, []).append(r)
     return out

@@ -152,6 +152,8 @@ def test_summary_figures_follow_from_the_request_records() -> None:
     assert s["ttft_ms"]["p50"] == pytest.approx(1000.0) and s["ttft_ms"]["p99"] == pytest.approx(1490.0)
     assert s["tpot_ms"]["mean"] == pytest.approx(500.0)  # 2 s / 4 and 2.5 s / 5
     assert (s["cached_tokens"], s["cached_fraction"]) == (64, 0.32)
+    assert s["by_tenant"] == {"a": {"ttft_s": [0.5], "cached_tokens": 64},  # failed requests are left out
+                              "b": {"ttft_s": [1.5], "cached_tokens": 0}}
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0], 99) == 1.0
 
 
