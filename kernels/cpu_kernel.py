@@ -102,7 +102,7 @@ class CpuDecodeKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        if lib.cs_abi_version() != 2:
+        if lib.cs_abi_version() != 3:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -228,14 +228,7 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
         raise ValueError("part_o / part_lse must be contiguous fp32 [S >= runs, b, Hkv, g, D] / [S, b, Hkv, g]")
     qs = ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device)
     torch.mul(q4, scale, out=qs)  # [b, Hkv, g, D], pre-scaled
-    threads = torch.get_num_threads()
-    if table.row_keys * hkv * d < SERIAL_ELEMENTS:
-        threads = 1
-    nsplit = 1  # split long runs when runs x heads alone cannot keep every thread busy
-    if n_runs * hkv < 4 * threads and table.max_chunks > 1:
-        want = -(-4 * threads // (n_runs * hkv))
-        nsplit = max(1, min(want, table.max_chunks // max(1, -(-MIN_SPLIT_TOKENS // c))))
-    mmax = table.max_rows * g
+    threads, nsplit, mmax = run_launch_params(table, hkv, g, d, c)
     so = slse = None
     if nsplit > 1:
         so = ws.take("cpuk_run_so", (n_runs, hkv, nsplit, mmax, d), torch.float32, q4.device)
@@ -247,6 +240,19 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
                     part_o.data_ptr(), part_lse.data_ptr(), threads)
     if rc != 0:
         raise RuntimeError(f"cs_run_attention failed with code {rc} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")
+
+
+def run_launch_params(table: RunTable, hkv: int, g: int, d: int, c: int) -> tuple[int, int, int]:
+    """(threads, splits per run, largest stacked rows) of a phase-1 call over ``table``."""
+    n_runs = table.rows.shape[0]
+    threads = torch.get_num_threads()
+    if table.row_keys * hkv * d < SERIAL_ELEMENTS:
+        threads = 1
+    nsplit = 1  # split long runs when runs x heads alone cannot keep every thread busy
+    if n_runs * hkv < 4 * threads and table.max_chunks > 1:
+        want = -(-4 * threads // (n_runs * hkv))
+        nsplit = max(1, min(want, table.max_chunks // max(1, -(-MIN_SPLIT_TOKENS // c))))
+    return threads, nsplit, table.max_rows * g
 
 
 @functools.cache

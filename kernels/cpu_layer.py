@@ -1,4 +1,4 @@
-"""A decode layer in one foreign call on CPUs when nothing is shared (``csrc/decode_cpu.cpp: cs_decode_layer``).
+"""A decode layer's attention in one foreign call on CPUs (``csrc/decode_cpu.cpp: cs_decode_layer``).
 
 A decode step whose context has no shared run is, per layer: write every row's new K/V into its pool
 slot, then attend each row over its own table of chunks (the in-place kernel). Through torch that is
@@ -8,6 +8,11 @@ step. Here the step's constant half (chunk tables, slots, launch parameters, scr
 per step in a ctypes struct; each layer is then one call with ten arguments that writes K/V, scales q,
 runs the kernel and writes the output in the activations' dtype. The results are the same sums in the
 same order as the unfused path (`tpp_decode_torch` with no runs): bitwise equal.
+
+With shared runs (TPP) the same call also runs phase 1 (`cs_run_attention`: each run's stacked queries against
+its chunks) into partial slots, the private pass into one more, and merges them per row by log-sum-exp in C
+(what `tpp_decode_torch`'s zero/fill, `run_attention`, private pass, `combine_partials` and copy did in a dozen
+aten ops per layer); the merge's `exp` is libm's, so results match the unfused path to float rounding.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ from chunkserve.kernels.cpu_kernel import (
     CpuDecodeKernel,
     launch_params,
     load_cpu_kernel,
+    run_launch_params,
 )
 from chunkserve.kernels.torch_ops import Workspace
-from chunkserve.kernels.tpp_torch import memo_private_table
+from chunkserve.kernels.tpp_torch import memo_private_table, memo_run_table
 
 ACT_CODES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_SLOTS = 64  # kMaxSlots of the source: partials merged per row (shared runs + the private pass)
 
 
 class _Plan(ctypes.Structure):
@@ -40,7 +47,12 @@ class _Plan(ctypes.Structure):
                 *[(n, ctypes.c_int64) for n in ("b", "hkv", "g", "d", "c", "P", "cps", "nsplit")],
                 ("so", ctypes.c_void_p), ("slse", ctypes.c_void_p), ("qbuf", ctypes.c_void_p),
                 ("obuf", ctypes.c_void_p), ("scale", ctypes.c_double), ("nthreads", ctypes.c_int64),
-                ("nwrite", ctypes.c_int64), ("slots", ctypes.c_void_p), ("write_rows", ctypes.c_void_p)]
+                ("nwrite", ctypes.c_int64), ("slots", ctypes.c_void_p), ("write_rows", ctypes.c_void_p),
+                ("R", ctypes.c_int64), ("run_rows", ctypes.c_void_p), ("run_cptr", ctypes.c_void_p),
+                ("run_chunks", ctypes.c_void_p), ("run_tokens", ctypes.c_void_p), ("run_nsplit", ctypes.c_int64),
+                ("run_mmax", ctypes.c_int64), ("run_threads", ctypes.c_int64), ("run_so", ctypes.c_void_p),
+                ("run_slse", ctypes.c_void_p), ("part_o", ctypes.c_void_p), ("part_lse", ctypes.c_void_p),
+                ("has_private", ctypes.c_int64)]
 
 
 def _heads_contiguous(t: torch.Tensor, d: int) -> bool:
@@ -71,7 +83,7 @@ class FusedDecodeLayer:
               ctx: ChunkContext, slots: torch.Tensor, write_rows: torch.Tensor | None, scale: float,
               ws: Workspace) -> FusedDecodeLayer | None:
         """The fused layer for this step, or None when the call is not of the form it serves."""
-        if ctx.num_runs != 0 or q.device.type != "cpu" or k_pool_l.device.type != "cpu":
+        if ctx.num_runs + 1 > MAX_SLOTS or q.device.type != "cpu" or k_pool_l.device.type != "cpu":
             return None
         kern = load_cpu_kernel()
         if kern is None:
@@ -92,11 +104,13 @@ class FusedDecodeLayer:
                 return None
         elif nwrite > k.shape[0]:
             return None
-        table, tokens, _counts = memo_private_table(ctx, ws)  # int32 [b, P], contiguous
+        table, tokens, counts = memo_private_table(ctx, ws)  # int32 [b, P], contiguous
         p = table.shape[1]
         threads, cps, nsplit = launch_params(b, hkv, d, c, p)
         f32, dev = torch.float32, q.device
         qbuf = ws.take("cpul_q", (b, hkv, g, d), f32, dev)
+        if ctx.num_runs and not kern.supports_runs(qbuf, k_pool_l):
+            return None
         obuf = ws.take("cpul_o", (b, hkv, g, d), f32, dev)
         so = ws.take("cpul_so", (b, hkv, nsplit, g, d), f32, dev) if nsplit > 1 else None
         slse = ws.take("cpul_slse", (b, hkv, nsplit, g), f32, dev) if nsplit > 1 else None
@@ -106,8 +120,10 @@ class FusedDecodeLayer:
                      slse=None if slse is None else slse.data_ptr(), qbuf=qbuf.data_ptr(), obuf=obuf.data_ptr(),
                      scale=scale, nthreads=threads, nwrite=nwrite, slots=slots.data_ptr(),
                      write_rows=None if write_rows is None else write_rows.data_ptr())
-        keep = tuple(t for t in (table, tokens, qbuf, obuf, so, slse, slots, write_rows) if t is not None)
-        return FusedDecodeLayer(kern, plan, keep, (b, hq, d), q.dtype)
+        keep = [t for t in (table, tokens, qbuf, obuf, so, slse, slots, write_rows) if t is not None]
+        if ctx.num_runs:  # TPP: phase 1 over the shared runs, the private pass, one merge (`cs_decode_layer`)
+            keep += _plan_runs(plan, ctx, ws, max(counts, default=0) > 0)
+        return FusedDecodeLayer(kern, plan, tuple(keep), (b, hq, d), q.dtype)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool_l: torch.Tensor,
                  v_pool_l: torch.Tensor) -> torch.Tensor:
@@ -117,3 +133,23 @@ class FusedDecodeLayer:
         if rc != 0:
             raise RuntimeError(f"cs_decode_layer failed with code {rc}")
         return out
+
+
+def _plan_runs(plan: _Plan, ctx: ChunkContext, ws: Workspace, has_private: bool) -> list[torch.Tensor]:
+    """Fill the plan's shared-run half; returns the tensors it points into."""
+    b, hkv, g, d, c = plan.b, plan.hkv, plan.g, plan.d, plan.c
+    rt = memo_run_table(ctx, ws)
+    threads, nsplit, mmax = run_launch_params(rt, hkv, g, d, c)
+    n, f32 = ctx.num_runs, torch.float32
+    part_o = ws.take("cpul_part_o", (n + 1, b, hkv, g, d), f32, torch.device("cpu"))
+    part_lse = ws.take("cpul_part_lse", (n + 1, b, hkv, g), f32, torch.device("cpu"))
+    keep = [rt.rows, rt.cptr, rt.chunks, rt.tokens, part_o, part_lse]
+    if nsplit > 1:
+        keep += [ws.take("cpul_run_so", (n, hkv, nsplit, mmax, d), f32, torch.device("cpu")),
+                 ws.take("cpul_run_slse", (n, hkv, nsplit, mmax), f32, torch.device("cpu"))]
+        plan.run_so, plan.run_slse = keep[-2].data_ptr(), keep[-1].data_ptr()
+    plan.R, plan.run_rows, plan.run_cptr = n, rt.rows.data_ptr(), rt.cptr.data_ptr()
+    plan.run_chunks, plan.run_tokens = rt.chunks.data_ptr(), rt.tokens.data_ptr()
+    plan.run_nsplit, plan.run_mmax, plan.run_threads = nsplit, mmax, threads
+    plan.part_o, plan.part_lse, plan.has_private = part_o.data_ptr(), part_lse.data_ptr(), int(has_private)
+    return keep

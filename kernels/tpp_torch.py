@@ -86,6 +86,16 @@ def memo_private_table(ctx: ChunkContext, ws: Workspace) -> tuple[torch.Tensor, 
     return hit[1]  # type: ignore[index,return-value]
 
 
+def memo_run_table(ctx: ChunkContext, ws: Workspace) -> RunTable:
+    """The context's shared runs in the phase-1 kernel's layout, built once per step (memoised in ``ws``)."""
+    rt: Any = ws.memo.get(("run_table", id(ctx)))
+    if rt is None or rt[0] is not ctx:
+        rt = (ctx, RunTable.build([r[:2] for r in ctx.runs_host], list(ctx.run_chunk_lists),
+                                  list(ctx.run_token_lists)))
+        ws.remember(("run_table", id(ctx)), rt)
+    return rt[1]
+
+
 def tpp_decode_torch(
     q_sorted: torch.Tensor,
     k_pool_l: torch.Tensor,
@@ -130,12 +140,8 @@ def tpp_decode_torch(
     # all runs in one in-place kernel call when it serves the shapes, else one ATen call per run
     runs_kernel = kern is not None and ctx.num_runs > 0 and kern.supports_runs(qf.view(b, hkv, g, d), k_pool_l)
     if runs_kernel and kern is not None:
-        rt: Any = ws.memo.get(("run_table", id(ctx)))
-        if rt is None or rt[0] is not ctx:
-            rt = (ctx, RunTable.build([r[:2] for r in ctx.runs_host], list(ctx.run_chunk_lists),
-                                      list(ctx.run_token_lists)))
-            ws.remember(("run_table", id(ctx)), rt)
-        run_attention(kern, qf.view(b, hkv, g, d), k_pool_l, v_pool_l, rt[1], scale, part_o, part_lse, ws)
+        run_attention(kern, qf.view(b, hkv, g, d), k_pool_l, v_pool_l, memo_run_table(ctx, ws), scale, part_o,
+                      part_lse, ws)
     for r in range(0 if runs_kernel else ctx.num_runs):
         i, j = ctx.runs_host[r][0], ctx.runs_host[r][1]
         n = j - i

@@ -3,7 +3,7 @@
 Rows are laid out as [prefill pieces..., decode rows in tree order]. The per-layer attention
 (`StepAttention`) first scatters the step's new K/V into their pool slots, then runs prefill
 attention over each piece's cached prefix and TPP decode attention over the decode rows. On CPUs a
-decode-only step with nothing shared does both in one kernel call per layer (`kernels/cpu_layer.py`).
+decode-only step does both in one kernel call per layer (`kernels/cpu_layer.py`; TPP's phases and merge too).
 Everything that is the same for all layers (slot indices, prefill tables, the decode context) is
 built once per step in host memory and reaches the device in the step's one copy (`Staging`); the
 step reads nothing back from the device. The decode kernels reuse one scratch `Workspace` across
@@ -128,7 +128,7 @@ class StepAttention:
         self.num_prefill = inputs.num_prefill
         self.ctx: ChunkContext | None = inputs.ctx
         self.prefill_tables = inputs.prefill
-        # decode-only steps with nothing shared, on CPUs: K/V writes + attention in one call per layer
+        # decode-only steps on CPUs: K/V writes + attention (shared runs, private pass, merge) in one call per layer
         # (decided on layer 0; False = not this step)
         self._fused: FusedDecodeLayer | bool | None = None
 

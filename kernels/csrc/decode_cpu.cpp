@@ -29,6 +29,7 @@ using cs::to_f;
 constexpr int64_t kMaxG = 32;     // query heads per KV head
 constexpr int64_t kMaxC = 256;    // chunk size
 constexpr int64_t kMaxD = 256;    // head dim
+constexpr int64_t kMaxSlots = 64;  // partials merged per row by a fused TPP layer (shared runs + 1)
 
 
 struct Args {
@@ -204,7 +205,7 @@ void run(const Args& a, int nthreads) {
 }
 
 
-// --- one fused decode layer (nothing shared): K/V writes, scaled q, attention, output in the act dtype ---
+// --- one fused decode layer: K/V writes, scaled q, attention (TPP: runs, private pass, merge), output ---
 
 inline float load_act(const void* p, int64_t dtype, int64_t i) {
   return dtype == 0 ? static_cast<const float*>(p)[i] : to_f(static_cast<const Bf16*>(p)[i]);
@@ -225,6 +226,31 @@ void put_row(const void* src, int64_t sdtype, int64_t soff, void* dst, int64_t d
       static_cast<uint16_t*>(dst)[doff + j] = cs::bf16_bits(x);
     } else {
       static_cast<_Float16*>(dst)[doff + j] = static_cast<_Float16>(x);
+    }
+  }
+}
+
+// out[x] = sum over slots of o_s[x] * w_s / sum w_s, w_s = exp(lse_s - max lse) (combine_partials' formula);
+// absent partials (lse -inf) are skipped, so whatever their o slot holds never reaches the result.
+void merge_slots(const float* po, const float* plse, int64_t S, int64_t slot, int64_t d, float* out) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t x = 0; x < slot; ++x) {
+    float m = ninf;
+    for (int64_t s = 0; s < S; ++s) m = plse[s * slot + x] > m ? plse[s * slot + x] : m;
+    float w[kMaxSlots];
+    float tot = 0.f;
+    for (int64_t s = 0; s < S; ++s) {
+      w[s] = plse[s * slot + x] == ninf ? 0.f : std::exp(plse[s * slot + x] - m);
+      tot += w[s];
+    }
+    float* od = out + x * d;
+    for (int64_t j = 0; j < d; ++j) od[j] = 0.f;
+    if (tot <= 0.f) continue;  // no keys at all (cannot happen for a decode row: it sees its own key)
+    for (int64_t s = 0; s < S; ++s) {
+      if (w[s] == 0.f) continue;
+      const float ws = w[s] / tot;
+      const float* os = po + (s * slot + x) * d;
+      for (int64_t j = 0; j < d; ++j) od[j] += os[j] * ws;
     }
   }
 }
@@ -250,7 +276,25 @@ struct CsLayerPlan {
   int64_t nwrite;
   const int64_t* slots;       // [nwrite] flat slot (chunk * c + token) of each written row
   const int64_t* write_rows;  // [nwrite] source row of each write, or null (row t)
+  // TPP (R > 0 shared runs): phase 1 (`cs_run_attention`) into slots [0, R) of part_o / part_lse, the private
+  // pass (the table above) into slot R when has_private, then one log-sum-exp merge per row into the output
+  int64_t R;
+  const int32_t* run_rows;    // [R, 2]
+  const int32_t* run_cptr;    // [R + 1]
+  const int32_t* run_chunks;
+  const int32_t* run_tokens;
+  int64_t run_nsplit, run_mmax, run_threads;
+  float* run_so;
+  float* run_slse;
+  float* part_o;              // [R + 1, b, hkv, g, d]
+  float* part_lse;            // [R + 1, b, hkv, g]
+  int64_t has_private;
 };
+
+int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
+                     const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
+                     int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
+                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads);
 
 // q: [b, hkv*g, d] rows of stride ldq; k, v: [>= rows, hkv, d] rows of stride ldk / ldv (head stride d);
 // pools [hkv, N, c, d]; out: [b, hkv*g, d] contiguous in act_dtype. Writes first, so a row sees its own key.
@@ -261,6 +305,7 @@ int cs_decode_layer(const CsLayerPlan* p, const void* q, int64_t ldq, const void
       p->cs != p->c * p->d)
     return -1;
   if (p->nsplit > 1 && (p->so == nullptr || p->slse == nullptr)) return -2;
+  if (p->R < 0 || p->R + 1 > kMaxSlots) return -4;
   const int64_t hkv = p->hkv, g = p->g, d = p->d;
   for (int64_t t = 0; t < p->nwrite; ++t) {
     const int64_t row = p->write_rows != nullptr ? p->write_rows[t] : t;
@@ -274,14 +319,30 @@ int cs_decode_layer(const CsLayerPlan* p, const void* q, int64_t ldq, const void
   for (int64_t r = 0; r < p->b; ++r)
     for (int64_t j = 0; j < hkv * g * d; ++j) p->qbuf[r * hkv * g * d + j] = load_act(q, p->act_dtype, r * ldq + j) * scale;
   float* o = p->act_dtype == 0 ? static_cast<float*>(out) : p->obuf;
-  const Args a{p->qbuf, kpool, vpool, p->hs, p->cs, p->table, p->tokens, p->b, hkv, g, d, p->c, p->P, p->cps,
-               p->nsplit, p->so, p->slse, o, nullptr};
-  const int nthreads = p->nthreads < 1 ? 1 : static_cast<int>(p->nthreads);
-  switch (p->pool_dtype) {
-    case 0: run<float>(a, nthreads); break;
-    case 1: run<Bf16>(a, nthreads); break;
-    default: run<_Float16>(a, nthreads); break;
+  const int64_t slot = p->b * hkv * g;  // rows x heads of one partial slot
+  const bool tpp = p->R > 0;
+  if (tpp) {
+    if (p->part_o == nullptr || p->part_lse == nullptr || p->run_rows == nullptr) return -3;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < p->R * slot; ++i) p->part_lse[i] = ninf;  // rows outside a run: absent
+    const int rc = cs_run_attention(p->qbuf, kpool, vpool, p->hs, p->cs, static_cast<int>(p->pool_dtype),
+                                    p->run_rows, p->run_cptr, p->run_chunks, p->run_tokens, p->R, p->b, hkv, g, d,
+                                    p->c, p->run_nsplit, p->run_mmax, p->run_so, p->run_slse, p->part_o,
+                                    p->part_lse, static_cast<int>(p->run_threads < 1 ? 1 : p->run_threads));
+    if (rc != 0) return rc - 10;
   }
+  if (!tpp || p->has_private) {
+    float* po = tpp ? p->part_o + p->R * slot * d : o;
+    const Args a{p->qbuf, kpool, vpool, p->hs, p->cs, p->table, p->tokens, p->b, hkv, g, d, p->c, p->P, p->cps,
+                 p->nsplit, p->so, p->slse, po, tpp ? p->part_lse + p->R * slot : nullptr};
+    const int nthreads = p->nthreads < 1 ? 1 : static_cast<int>(p->nthreads);
+    switch (p->pool_dtype) {
+      case 0: run<float>(a, nthreads); break;
+      case 1: run<Bf16>(a, nthreads); break;
+      default: run<_Float16>(a, nthreads); break;
+    }
+  }
+  if (tpp) merge_slots(p->part_o, p->part_lse, p->R + (p->has_private ? 1 : 0), slot, d, o);
   if (p->act_dtype == 1) {
     uint16_t* ob = static_cast<uint16_t*>(out);
     for (int64_t i = 0; i < p->b * hkv * g * d; ++i) ob[i] = cs::bf16_bits(o[i]);
@@ -289,7 +350,7 @@ int cs_decode_layer(const CsLayerPlan* p, const void* q, int64_t ldq, const void
   return 0;
 }
 
-int cs_abi_version() { return 2; }
+int cs_abi_version() { return 3; }
 
 // dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or a negative code for unsupported shapes.
 int cs_decode_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,

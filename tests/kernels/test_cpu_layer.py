@@ -1,6 +1,7 @@
 """The fused CPU decode layer (``cs_decode_layer``): K/V writes + attention in one call must give exactly
 what the unfused path gives (index_copy_ into the pool, then ``tpp_decode_torch``), for every activation /
-pool dtype pair, strided q/k/v views, a write-row map, splits and threads; it must refuse shared runs."""
+pool dtype pair, strided q/k/v views, a write-row map, splits and threads, and with shared runs (TPP) what
+the unfused phase 1 + phase 2 + merge give."""
 
 from __future__ import annotations
 
@@ -96,12 +97,55 @@ def test_fused_layer_reads_write_rows_through_the_row_map():
     assert torch.equal(layer(q, k_src, v_src, k_pool, v_pool), want)
 
 
-def test_fused_layer_refuses_a_context_with_shared_runs():
-    d, c, hkv, g = 32, 16, 1, 2
-    k_pool = torch.zeros(hkv, 8, c, d)
-    ctx = context_from_paths([[(1, 16), (2, 4)], [(1, 16), (3, 5)]], c)  # chunk 1 shared by both rows
-    assert ctx.num_runs == 1
-    qkv = torch.zeros(2, hkv * g + 2 * hkv, d)
-    q, k, v = qkv[:, : hkv * g], qkv[:, hkv * g: hkv * g + hkv], qkv[:, hkv * g + hkv:]
-    slots = torch.tensor([2 * c + 3, 3 * c + 4], dtype=torch.int64)
-    assert FusedDecodeLayer.build(q, k, v, k_pool, k_pool.clone(), ctx, slots, None, 1.0, Workspace()) is None
+TREES = {  # chunk ids per row (chunk 0 unused); the last of each row is private, with that many valid tokens
+    "one_run": ([[1, 2, 5], [1, 2, 6], [1, 2, 7]], {5: 7, 6: 3, 7: 16}),
+    "nested": ([[1, 2, 3, 8], [1, 2, 3, 9], [1, 2, 4, 10], [1, 2, 4, 11], [12]], {8: 5, 9: 9, 10: 1, 11: 12, 12: 4}),
+}
+
+
+def _setup_tree(act: torch.dtype, pool: torch.dtype, tree: str, hkv: int, g: int, d: int, c: int, seed: int):
+    rows, last_tokens = TREES[tree]
+    gen = torch.Generator().manual_seed(seed)
+    n = max(ch for row in rows for ch in row) + 1
+    k_pool = torch.full((hkv, n, c, d), float("nan"), dtype=pool)
+    v_pool = torch.full((hkv, n, c, d), float("nan"), dtype=pool)
+    for ch in range(1, n):
+        nt = last_tokens.get(ch, c)
+        k_pool[:, ch, :nt] = torch.randn(hkv, nt, d, generator=gen).to(pool)
+        v_pool[:, ch, :nt] = torch.randn(hkv, nt, d, generator=gen).to(pool)
+    for ch, nt in last_tokens.items():  # the slot this step writes: NaN until the write
+        k_pool[:, ch, nt - 1] = float("nan")
+        v_pool[:, ch, nt - 1] = float("nan")
+    ctx = context_from_paths([[(ch, last_tokens.get(ch, c)) for ch in row] for row in rows], c)
+    order = ctx.order.tolist()
+    qkv = torch.randn(len(rows), hkv * g + 2 * hkv, d, generator=gen).to(act)
+    slots = torch.tensor([rows[i][-1] * c + last_tokens[rows[i][-1]] - 1 for i in order], dtype=torch.int64)
+    return k_pool, v_pool, ctx, qkv, slots
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("act,pool", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                      (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_fused_layer_with_shared_runs_equals_index_copy_then_tpp_decode(threads, act, pool, tree):
+    """TPP in one call: phase 1 over the shared runs, the private pass, one merge per row, against the unfused
+    path (the same kernels, then ATen's merge); free and to-be-written slots hold NaN."""
+    d, c, hkv, g = 32, 16, 2, 3
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        k_pool, v_pool, ctx, qkv, slots = _setup_tree(act, pool, tree, hkv, g, d, c, seed=threads)
+        assert ctx.num_runs >= 1
+        q, k, v = qkv[:, : hkv * g], qkv[:, hkv * g: hkv * g + hkv], qkv[:, hkv * g + hkv:]
+        kp2, vp2 = k_pool.clone(), v_pool.clone()
+        want = _unfused(q, k, v, kp2, vp2, ctx, slots, None, 0.17)
+        layer = FusedDecodeLayer.build(q, k, v, k_pool, v_pool, ctx, slots, None, 0.17, Workspace())
+        assert layer is not None
+        got = layer(q, k, v, k_pool, v_pool)
+    finally:
+        torch.set_num_threads(saved)
+    assert got.dtype == act and not got.isnan().any()
+    tol = 1e-6 if act == torch.float32 else 8e-3  # the merge's exp (libm against ATen's) may differ in an ulp
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert torch.equal(k_pool.nan_to_num(7.0), kp2.nan_to_num(7.0))
+    assert torch.equal(v_pool.nan_to_num(7.0), vp2.nan_to_num(7.0))

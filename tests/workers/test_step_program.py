@@ -59,7 +59,7 @@ def test_decode_steps_run_as_one_call_and_give_the_python_loops_tokens_and_logpr
     assert _generate(core, {"alone": [9, 8, 7]}) == _generate(loop, {"alone": [9, 8, 7]})  # batch 1
 
 
-def test_steps_with_a_shared_prefix_or_a_prefill_keep_the_python_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_steps_with_a_shared_prefix_run_as_one_call_too(monkeypatch: pytest.MonkeyPatch) -> None:
     counting = _Counting(monkeypatch)
     core = _core(num_threads=1)
     shared = list(range(10, 60))  # three chunks of 16 shared by both requests: TPP's shared runs
@@ -67,7 +67,7 @@ def test_steps_with_a_shared_prefix_or_a_prefill_keep_the_python_loop(monkeypatc
     loop.model.step_programs = False
     prompts = {"a": shared + [1, 2], "b": shared + [3, 4]}
     assert _generate(core, prompts) == _generate(loop, prompts)
-    assert counting.calls == 0
+    assert counting.calls >= 11  # every decode step; the prefill step keeps the Python loop
 
 
 def test_a_failing_call_raises_with_its_layer_and_code() -> None:
