@@ -1,8 +1,9 @@
 """A decode step's layer loop as one foreign call, for block-quantised models on CPUs (``csrc/qmatmul.cpp: cs_q_run``).
 
-With the fused int4 layers (`CausalLM._bind_fused`) a decode layer is five foreign calls: qkv (RMSNorm in,
-RoPE out), the one-call attention layer (K/V writes + attention, `kernels/cpu_layer.py`), o (added into
-the residual), gate/up (RMSNorm in) and down (SwiGLU in, added into the residual). Made from Python, each
+With the fused int4 layers (`StepPrograms.bind`) a decode layer is five foreign calls: qkv (RMSNorm in,
+RoPE out), the one-call attention layer (K/V writes + attention, TPP's phases and merge included,
+`kernels/cpu_layer.py`), o (added into the residual), gate/up (RMSNorm in) and down (SwiGLU in, added into
+the residual). Made from Python, each
 call costs its argument checks, a fresh output tensor and a ctypes call with a dozen arguments: about
 40 us per layer on a 2-core EPYC, a tenth of a batch-1 SmolLM2 step. A `StepProgram` holds the calls of
 every layer for one batch size as a table of int64 records over buffers it owns, built once; a step then
