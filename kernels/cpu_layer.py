@@ -140,13 +140,13 @@ def _plan_runs(plan: _Plan, ctx: ChunkContext, ws: Workspace, has_private: bool)
     b, hkv, g, d, c = plan.b, plan.hkv, plan.g, plan.d, plan.c
     rt = memo_run_table(ctx, ws)
     threads, nsplit, mmax = run_launch_params(rt, hkv, g, d, c)
-    n, f32 = ctx.num_runs, torch.float32
-    part_o = ws.take("cpul_part_o", (n + 1, b, hkv, g, d), f32, torch.device("cpu"))
-    part_lse = ws.take("cpul_part_lse", (n + 1, b, hkv, g), f32, torch.device("cpu"))
+    n, f32, cpu = ctx.num_runs, torch.float32, torch.device("cpu")
+    part_o = ws.take("cpul_part_o", (n + 1, b, hkv, g, d), f32, cpu)
+    part_lse = ws.take("cpul_part_lse", (n + 1, b, hkv, g), f32, cpu)
     keep = [rt.rows, rt.cptr, rt.chunks, rt.tokens, part_o, part_lse]
     if nsplit > 1:
-        keep += [ws.take("cpul_run_so", (n, hkv, nsplit, mmax, d), f32, torch.device("cpu")),
-                 ws.take("cpul_run_slse", (n, hkv, nsplit, mmax), f32, torch.device("cpu"))]
+        keep += [ws.take("cpul_run_so", (n, hkv, nsplit, mmax, d), f32, cpu),
+                 ws.take("cpul_run_slse", (n, hkv, nsplit, mmax), f32, cpu)]
         plan.run_so, plan.run_slse = keep[-2].data_ptr(), keep[-1].data_ptr()
     plan.R, plan.run_rows, plan.run_cptr = n, rt.rows.data_ptr(), rt.cptr.data_ptr()
     plan.run_chunks, plan.run_tokens = rt.chunks.data_ptr(), rt.tokens.data_ptr()

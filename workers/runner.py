@@ -172,7 +172,8 @@ class StepAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D], k, v: [T, Hkv, D] -> o: [T, Hq, D]
         kp, vp = self.pools.k[layer], self.pools.v[layer]  # [Hkv, N, c, D] (contiguous)
-        fused = self._fused if layer else self._fuse(q, k, v, kp, vp)
+        # decided once per step: on layer 0, unless `fused_decode` already tried (a model's program declined)
+        fused = self._fused if layer or self._fused is not None else self._fuse(q, k, v, kp, vp)
         if fused:
             return fused(q, k, v, kp, vp)  # type: ignore[operator]
         # the same scatter as `cache.write`, as one index_copy_ per pool on the flat slot index

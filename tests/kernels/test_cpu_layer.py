@@ -54,6 +54,26 @@ def _unfused(q, k, v, k_pool, v_pool, ctx, slots, write_rows, scale):
     return tpp_decode_torch(q, k_pool, v_pool, ctx, scale, inplace=True)
 
 
+def _fused_and_unfused(threads, scale, hkv, g, setup):
+    """Run ``setup()``'s step both ways on ``threads`` threads: (fused output, unfused output, context), after
+    checking that both left the same pools (NaN-free slots equal, the step's writes landed alike)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        k_pool, v_pool, ctx, qkv, slots = setup()
+        q, k, v = qkv[:, : hkv * g], qkv[:, hkv * g: hkv * g + hkv], qkv[:, hkv * g + hkv:]
+        kp2, vp2 = k_pool.clone(), v_pool.clone()
+        want = _unfused(q, k, v, kp2, vp2, ctx, slots, None, scale)
+        layer = FusedDecodeLayer.build(q, k, v, k_pool, v_pool, ctx, slots, None, scale, Workspace())
+        assert layer is not None
+        got = layer(q, k, v, k_pool, v_pool)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(k_pool.nan_to_num(7.0), kp2.nan_to_num(7.0))
+    assert torch.equal(v_pool.nan_to_num(7.0), vp2.nan_to_num(7.0))
+    return got, want, ctx
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("act,pool", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                       (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16),
@@ -63,23 +83,11 @@ def test_fused_layer_equals_index_copy_then_tpp_decode_bitwise(threads, act, poo
     """Long single rows take the split (flash-decoding) path with 2 threads; NaN in the written slots and
     in every free slot proves the write lands before the attention reads and nothing else is read."""
     d, c, b = 64, 64, len(lens)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        k_pool, v_pool, ctx, qkv, slots = _setup(act, pool, b, lens, hkv, g, d, c, seed=len(lens) * 7 + hkv)
-        q, k, v = qkv[:, : hkv * g], qkv[:, hkv * g: hkv * g + hkv], qkv[:, hkv * g + hkv:]
-        kp2, vp2 = k_pool.clone(), v_pool.clone()
-        want = _unfused(q, k, v, kp2, vp2, ctx, slots, None, 0.125)
-        layer = FusedDecodeLayer.build(q, k, v, k_pool, v_pool, ctx, slots, None, 0.125, Workspace())
-        assert layer is not None
-        got = layer(q, k, v, k_pool, v_pool)
-    finally:
-        torch.set_num_threads(saved)
+    got, want, ctx = _fused_and_unfused(threads, 0.125, hkv, g,
+                                        lambda: _setup(act, pool, b, lens, hkv, g, d, c, seed=len(lens) * 7 + hkv))
     assert got.dtype == act and got.shape == (b, hkv * g, d)
     assert not got.isnan().any()
     assert torch.equal(got, want)
-    assert torch.equal(k_pool.nan_to_num(7.0), kp2.nan_to_num(7.0))
-    assert torch.equal(v_pool.nan_to_num(7.0), vp2.nan_to_num(7.0))
 
 
 def test_fused_layer_reads_write_rows_through_the_row_map():
@@ -131,21 +139,9 @@ def test_fused_layer_with_shared_runs_equals_index_copy_then_tpp_decode(threads,
     """TPP in one call: phase 1 over the shared runs, the private pass, one merge per row, against the unfused
     path (the same kernels, then ATen's merge); free and to-be-written slots hold NaN."""
     d, c, hkv, g = 32, 16, 2, 3
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        k_pool, v_pool, ctx, qkv, slots = _setup_tree(act, pool, tree, hkv, g, d, c, seed=threads)
-        assert ctx.num_runs >= 1
-        q, k, v = qkv[:, : hkv * g], qkv[:, hkv * g: hkv * g + hkv], qkv[:, hkv * g + hkv:]
-        kp2, vp2 = k_pool.clone(), v_pool.clone()
-        want = _unfused(q, k, v, kp2, vp2, ctx, slots, None, 0.17)
-        layer = FusedDecodeLayer.build(q, k, v, k_pool, v_pool, ctx, slots, None, 0.17, Workspace())
-        assert layer is not None
-        got = layer(q, k, v, k_pool, v_pool)
-    finally:
-        torch.set_num_threads(saved)
+    got, want, ctx = _fused_and_unfused(threads, 0.17, hkv, g,
+                                        lambda: _setup_tree(act, pool, tree, hkv, g, d, c, seed=threads))
+    assert ctx.num_runs >= 1
     assert got.dtype == act and not got.isnan().any()
     tol = 1e-6 if act == torch.float32 else 8e-3  # the merge's exp (libm against ATen's) may differ in an ulp
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    assert torch.equal(k_pool.nan_to_num(7.0), kp2.nan_to_num(7.0))
-    assert torch.equal(v_pool.nan_to_num(7.0), vp2.nan_to_num(7.0))
