@@ -91,7 +91,7 @@ class AppConfig(BaseModel):
     max_ongoing_requests: int = 64
     # Stream items: a request's tokens leave the worker coalesced, the first at once, then at most one item
     # per interval of up to this many tokens (0 ms: one item per token).
-    stream_interval_ms: float = Field(20.0, ge=0.0, le=1000.0)
+    stream_interval_ms: float = Field(50.0, ge=0.0, le=1000.0)  # Ray Serve LLM's stream batching default
     stream_max_tokens: int = Field(16, ge=1)
     # a worker's stream-item budget: with more streams in flight than this many per second, each stream's
     # interval stretches (up to stream_max_interval_ms); 0 keeps the interval fixed (workers/streaming.py)
@@ -102,6 +102,9 @@ class AppConfig(BaseModel):
     workers_per_node: int | None = Field(None, ge=1)
     reserved_cpus: int = Field(1, ge=0)
     node_cpus: int | None = Field(None, ge=1)  # cores per node to budget (None: what each worker's node has)
+    # A busy worker also takes the threads of the idle workers on its node (workers/node_cores.py): a lone
+    # stream on a 2-core node with 2 workers decodes on both cores. Only with the thread rule above.
+    lend_idle_cores: bool = True
     # Tenant limits shared by all ingress replicas through Redis (when a Redis URL is known); False: each
     # ingress replica enforces them for the traffic it sees.
     shared_rate_limits: bool = True
@@ -127,7 +130,8 @@ class AppConfig(BaseModel):
         per_node = self.workers_per_node
         if per_node is None:
             per_node = int((self.autoscaling or {}).get("max_replicas", self.workers))
-        rule = {"workers_per_node": max(1, per_node), "reserved_cpus": self.reserved_cpus}
+        rule = {"workers_per_node": max(1, per_node), "reserved_cpus": self.reserved_cpus,
+                "lend_idle_cores": int(self.lend_idle_cores)}
         if self.node_cpus is not None:
             rule["node_cpus"] = self.node_cpus
         return rule

@@ -138,7 +138,7 @@ def local_ingress(engine_config: Any = None, tenants: TenantRegistry | None = No
     None = the embedded default model). ``tenants`` None = open mode. Call it inside the serving loop.
 
     As in a worker replica, the engine's deltas come coalesced (``stream_batching``: a
-    ``workers.streaming.StreamBatching`` or its fields; default 20 ms / 16 tokens; ``{"interval_s": 0}``:
+    ``workers.streaming.StreamBatching`` or its fields; default 50 ms / 16 tokens; ``{"interval_s": 0}``:
     one per token), and an engine config without ``num_threads`` gets ``cpu_budget.engine_threads`` for
     one worker (the cores minus one for the HTTP/gRPC loop, at least 1)."""
     from chunkserve.workers.async_engine import AsyncEngine

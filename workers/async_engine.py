@@ -8,7 +8,11 @@ coalesces a request's deltas into fewer, larger items (`workers/streaming.py`). 
 generator (client gone) aborts it, which frees its KV chunks on the next step. Failures are typed
 (`protocol.EngineError` and its subclasses): a request the core rejects, a step that raises
 (`EngineStepError`, for the requests it was running), an engine that is shut down or whose thread died
-(`EngineDeadError`, for every request still waiting and every later one).
+(`EngineDeadError`, for every request still waiting and every later one). With ``cores`` (a
+`node_cores.NodeCores` slot) the engine thread marks its worker busy or idle on the node before each step
+and, while its steps are short (decode), runs them on the threads that gives it: an idle worker's cores are
+lent to the busy ones. A long step (a prefill) runs on the worker's own share, so that a peer that turns
+busy meanwhile never shares its cores with lent threads for longer than one short step.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
+import torch
+
 from chunkserve.workers.cpu_budget import lower_thread_priority
 from chunkserve.workers.engine import EngineConfig, EngineCore
+from chunkserve.workers.node_cores import NodeCores
 from chunkserve.workers.protocol import (
     EngineDeadError,
     EngineError,
@@ -40,6 +47,7 @@ from chunkserve.workers.streaming import StreamBatching, coalesce
 from chunkserve.workers.tree_summary import ForestUsage, summarize_forest
 
 logger = logging.getLogger(__name__)
+LEND_MAX_STEP_S = 0.05  # lent threads only after a step shorter than this (and never for the first after idle)
 
 _Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 
@@ -48,10 +56,13 @@ class AsyncEngine:
     """Implements `EngineProtocol`; see the module docstring."""
 
     def __init__(self, config: EngineConfig | None = None, core: EngineCore | None = None,
-                 hash_snapshot_depth: int | None = None) -> None:
+                 hash_snapshot_depth: int | None = None, cores: NodeCores | None = None) -> None:
         """``hash_snapshot_depth``: keep `cached_hashes()` (chunk hashes above that depth) for the cluster
-        index's publisher; None: not kept."""
+        index's publisher; None: not kept. ``cores``: this worker's slot among its node's workers (threads
+        lent by idle ones); the engine closes it when it stops."""
         self.core = core or EngineCore(config)
+        self._cores = cores
+        self.step_threads = torch.get_num_threads()  # the threads of the last step (the engine thread's)
         # Cached chain hashes, as an immutable tuple that the engine thread replaces after each step that
         # changed the cache: other threads read this snapshot, never the live tree.
         self._hash_depth = hash_snapshot_depth
@@ -211,7 +222,20 @@ class AsyncEngine:
             logger.exception("engine thread died")
             self._fail_all("the engine thread died")
             raise
+        finally:
+            if self._cores is not None:
+                self._cores.close()
         self._fail_all("the engine was shut down")
+
+    def _take_threads(self, cores: NodeCores, last_step_s: float) -> None:
+        """Marks the worker busy on its node and sets this thread's intra-op threads for the next step: what
+        the node lends it after a short step, its own share otherwise."""
+        n = cores.busy()
+        if last_step_s >= LEND_MAX_STEP_S:
+            n = cores.share
+        if n != self.step_threads:
+            torch.set_num_threads(n)  # the calling (engine) thread's OpenMP setting
+            self.step_threads = n
 
     def _fail_all(self, why: str) -> None:
         with self._lock:
@@ -221,13 +245,20 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         core = self.core
+        last_step_s = float("inf")  # the step before, timed (lent threads follow short ones only)
         while not self._stop.is_set():
             self._drain_inbox()
             if not core.has_work():
+                last_step_s = float("inf")
+                if self._cores is not None:
+                    self._cores.idle()
                 self._stats = EngineStats.from_dict(core.stats())
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            if self._cores is not None:
+                self._take_threads(self._cores, last_step_s)
+            started = time.monotonic()
             try:
                 outs = core.step()
             except Exception as e:  # a bug must not kill the loop silently: fail the running requests
@@ -245,6 +276,7 @@ class AsyncEngine:
             if events and self._hash_depth is not None:
                 self._hashes = tuple(core.cache.cached_hashes(self._hash_depth))
             now = time.monotonic()
+            last_step_s = now - started
             deltas = []
             for out in outs:
                 req = out.req

@@ -8,10 +8,11 @@ engine's stats as Ray Serve metrics (`workers/worker_metrics.py`) and, with Redi
 (`cluster/stats.py`) that the ingress's ``/metrics`` reads.
 
 Each request's deltas leave the replica coalesced (`workers/streaming.py`): the first token alone and at
-once, then at most one stream item per ``stream_batching.interval_s`` (default 20 ms; stretched with the
+once, then at most one stream item per ``stream_batching.interval_s`` (default 50 ms; stretched with the
 streams in flight by ``items_per_s``), so a fast stream pays Ray's per-item cost once per several tokens.
 Engine threads: unless the engine config sets
-``num_threads``, a replica takes `engine_threads(cores of its node, workers_per_node, reserved_cpus)`.
+``num_threads``, a replica takes `engine_threads(cores of its node, workers_per_node, reserved_cpus)`, and
+with the rule's ``lend_idle_cores`` the shares of the node's idle workers on top (`workers/node_cores.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chunkserve.workers.cpu_budget import rule_threads
 from chunkserve.workers.engine_config import EngineConfig
@@ -29,12 +30,27 @@ from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
 from chunkserve.workers.streaming import StreamBatching
 from chunkserve.workers.worker_metrics import RoutingAccuracy, TenantTokens, WorkerMetrics
 
+if TYPE_CHECKING:
+    from chunkserve.workers.node_cores import NodeCores
+
 logger = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 0.05
 STATS_INTERVAL_S = 1.0
 FOREST_INTERVAL_S = 2.0  # forest summaries for the dashboard (`workers/tree_summary.py`)
 PREFIX_ROUTER = "chunkserve.router.request_router.PrefixAwareRouter"
+
+
+def _node_cores(share: int, node_cpus: int | None) -> NodeCores | None:
+    """This worker's slot in its node's core table (`workers/node_cores.py`), or None (logged) where the
+    table cannot be opened: the worker then keeps its fixed share."""
+    from chunkserve.workers.node_cores import NodeCores  # numpy: only inside the replica
+
+    try:
+        return NodeCores(share, max_threads=node_cpus)
+    except (OSError, RuntimeError, ValueError) as e:
+        logger.warning("engine threads stay at %d: the node's core table is unavailable (%s)", share, e)
+        return None
 
 
 class WorkerServer:
@@ -50,8 +66,11 @@ class WorkerServer:
                  stream_batching: StreamBatching | dict[str, Any] | None = None,
                  thread_rule: dict[str, int] | None = None) -> None:
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
+        cores = None
         if thread_rule is not None and cfg.num_threads is None and cfg.device == "cpu":
             cfg = dataclasses.replace(cfg, num_threads=rule_threads(thread_rule))
+            if thread_rule.get("lend_idle_cores"):
+                cores = _node_cores(cfg.num_threads or 1, thread_rule.get("node_cpus"))
         self.worker_id = worker_id
         self.batching = StreamBatching.from_options(stream_batching)
         from chunkserve.workers.async_engine import AsyncEngine  # torch: only inside the replica
@@ -61,7 +80,7 @@ class WorkerServer:
             from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 
             depth = max_depth or DEFAULT_MAX_DEPTH
-        self.engine = AsyncEngine(cfg, hash_snapshot_depth=depth)
+        self.engine = AsyncEngine(cfg, hash_snapshot_depth=depth, cores=cores)
         self.metrics = WorkerMetrics(worker_id, enable_ray=enable_ray_metrics)
         self.routing = RoutingAccuracy(worker_id, self.engine.core.cache.chunk_size)
         self.tenant_tokens = TenantTokens()
@@ -142,7 +161,7 @@ class WorkerServer:
 
     def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "worker_id": self.worker_id,
-                "num_threads": self.engine.core.config.num_threads}
+                "num_threads": self.engine.core.config.num_threads, "step_threads": self.engine.step_threads}
 
     def shutdown(self) -> None:
         if self._pub_task is not None:

@@ -27,7 +27,7 @@ from chunkserve.workers.quant import BlockLinear, Q4Weight, Q8Weight, QKernel, f
 
 OP_WORDS = 16  # kOpWords of the source
 LINEAR, CALL = 0, 1
-MAX_PROGRAMS = 8  # programs kept per model (by batch size, most recently used)
+MAX_PROGRAMS = 8  # programs kept per model (by batch size and thread count, most recently used)
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class StepPrograms:
                  dtype: torch.dtype) -> None:
         self.fns = fns  # per layer: (qkv, o, gate_up, down)
         self._hidden, self._heads, self._dtype = hidden, heads, dtype
-        self._programs: dict[int, StepProgram] = {}
+        self._programs: dict[tuple[int, int], StepProgram] = {}  # by (rows, threads)
 
     @classmethod
     def bind(cls, layers: Sequence[LayerLike], eps: float, hidden: int, heads: tuple[int, int, int],
@@ -144,10 +144,11 @@ class StepPrograms:
         return cls(out, hidden, heads, dtype)
 
     def _get(self, t: int) -> StepProgram:
-        prog = self._programs.pop(t, None)
+        key = (t, torch.get_num_threads())  # a served engine's threads change with its node's load
+        prog = self._programs.pop(key, None)
         if prog is None or not prog.matches(t):
             prog = StepProgram(self.fns, t, self._hidden, self._heads, self._dtype)
-        self._programs[t] = prog  # most recent last
+        self._programs[key] = prog  # most recent last
         while len(self._programs) > MAX_PROGRAMS:
             del self._programs[next(iter(self._programs))]
         return prog

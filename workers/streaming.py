@@ -32,7 +32,7 @@ from chunkserve.workers.protocol import GenerateDelta
 class StreamBatching:
     """How a request's deltas are coalesced into stream items (``interval_s=0``: one item per delta)."""
 
-    interval_s: float = 0.02
+    interval_s: float = 0.05  # Ray Serve LLM batches stream items over 50 ms by default too
     max_tokens: int = 16
     items_per_s: float = 0.0  # the worker's stream-item budget over all its streams; 0: a fixed interval
     max_interval_s: float = 0.2  # the longest the budget may stretch the interval

@@ -24,10 +24,11 @@ def test_engine_threads_leave_the_reserved_cores_and_split_the_rest_evenly(cpus,
 
 
 def test_app_config_gives_the_thread_rule_unless_the_engine_fixes_threads_or_uses_gpus():
-    assert AppConfig(workers=3).thread_rule() == {"workers_per_node": 3, "reserved_cpus": 1}
+    assert AppConfig(workers=3).thread_rule() == {"workers_per_node": 3, "reserved_cpus": 1, "lend_idle_cores": 1}
+    assert AppConfig(workers=3, lend_idle_cores=False).thread_rule()["lend_idle_cores"] == 0
     assert AppConfig(autoscaling={"min_replicas": 1, "max_replicas": 4}).thread_rule()["workers_per_node"] == 4
     assert AppConfig(workers=4, workers_per_node=1, node_cpus=8).thread_rule() == {
-        "workers_per_node": 1, "reserved_cpus": 1, "node_cpus": 8}
+        "workers_per_node": 1, "reserved_cpus": 1, "node_cpus": 8, "lend_idle_cores": 1}
     assert AppConfig(engine={"num_threads": 2}).thread_rule() is None
     assert AppConfig(worker_num_gpus=1).thread_rule() is None
 
@@ -35,16 +36,21 @@ def test_app_config_gives_the_thread_rule_unless_the_engine_fixes_threads_or_use
 def test_worker_server_sets_engine_threads_by_the_rule_and_keeps_a_fixed_count():
     ruled = WorkerServer(TINY, "w-rule", enable_ray_metrics=False,
                          thread_rule={"workers_per_node": 2, "reserved_cpus": 1, "node_cpus": 4})
-    fixed = None
+    fixed = lending = None
     try:
         assert ruled.engine.core.config.num_threads == 1 and ruled.stats()["num_threads"] == 1
+        assert ruled.engine._cores is None  # the rule did not ask to lend idle cores
         fixed = WorkerServer({**TINY, "num_threads": 2}, "w-fixed", enable_ray_metrics=False,
-                             thread_rule={"workers_per_node": 1, "reserved_cpus": 1, "node_cpus": 16})
-        assert fixed.engine.core.config.num_threads == 2
+                             thread_rule={"workers_per_node": 1, "reserved_cpus": 1, "node_cpus": 16,
+                                          "lend_idle_cores": 1})
+        assert fixed.engine.core.config.num_threads == 2 and fixed.engine._cores is None  # fixed: no lending
+        lending = WorkerServer(TINY, "w-lend", enable_ray_metrics=False,
+                               thread_rule={"workers_per_node": 2, "reserved_cpus": 1, "lend_idle_cores": 1})
+        assert lending.engine._cores is not None and lending.engine._cores.share == 1
     finally:
-        ruled.shutdown()
-        if fixed is not None:
-            fixed.shutdown()
+        for server in (ruled, fixed, lending):
+            if server is not None:
+                server.shutdown()
 
 
 def test_worker_server_streams_coalesced_items_with_the_same_tokens_as_one_per_token():
