@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from chunkserve.kernels.prefill_runs import CpuPrefillPlan, run_kernel, run_partials, small_rows_attention
 from chunkserve.kernels.torch_ops import merge_into, partial_attention
 
 PREFILL_BACKENDS = ("torch", "triton", "auto")
@@ -48,6 +49,15 @@ class PrefillTables:
     def lists(self) -> tuple[list[list[int]], list[list[int]]]:
         """(chunk ids, valid tokens) per row as host lists, made once for all layers (torch path)."""
         return self.table_host.tolist(), self.tokens_host.tolist()
+
+    def cpu_plan(self, c: int) -> CpuPrefillPlan:
+        """The CPU path's runs and small-row tables for chunk size ``c``, made once for all layers."""
+        key = f"_cpu_plan_{c}"
+        plan = self.__dict__.get(key)
+        if plan is None:
+            plan = CpuPrefillPlan.build(*self.lists, self.starts, self.cu, c)
+            self.__dict__[key] = plan  # a per-step memo on a frozen instance, as functools.cached_property does
+        return plan
 
     @staticmethod
     def host_arrays(table: np.ndarray, tokens: np.ndarray, starts: list[int], cu: list[int]
@@ -114,24 +124,42 @@ def _segments(ids: list[int], toks: list[int], c: int, length: int) -> list[tupl
 
 def prefill_torch(
     q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, tables: list[list[int]],
-    tokens: list[list[int]], starts: list[int], cu: list[int], scale: float,
+    tokens: list[list[int]], starts: list[int], cu: list[int], scale: float, prefix_runs: bool = True,
+    plan: CpuPrefillPlan | None = None,
 ) -> torch.Tensor:
     """Loop over rows; each row reads its keys in place (one view per run of consecutive chunks).
 
     The g query heads of a KV head are packed into the query rows (``[1, Hkv, g*n_b, D]``), so
     each key is read once per KV head; pieces are merged by online softmax. A row with nothing
-    cached and one piece is one plain causal call.
+    cached and one piece is one plain causal call. With ``prefix_runs`` (and the CPU kernel), rows'
+    leading cached full chunks are attended first, chunk-first across the rows that share them, rows with
+    few new tokens finish in the decode kernel, and each other row's remaining keys are merged into its run's
+    partial (`prefill_runs.py`; ``plan``: the step's, built once for every layer, else here).
     """
     hkv, _n, c, d = k_pool_l.shape
     hq = q.shape[1]
     g = hq // hkv
     out = torch.empty_like(q)
+    kern = run_kernel(q, k_pool_l) if prefix_runs else None
+    if kern is not None and plan is None:
+        plan = CpuPrefillPlan.build(tables, tokens, starts, cu, c)
+    runs = plan.runs if kern is not None and plan is not None else None
+    run_part = None
+    if kern is not None and plan is not None:
+        run_part = run_partials(kern, q, k_pool_l, v_pool_l, plan, scale)  # shared chunks: [R, T, Hkv, g, (D)]
+        if plan.small and plan.tail_idx is not None:  # few new tokens: one decode-kernel row each, no loop
+            out.index_copy_(0, plan.tail_idx, small_rows_attention(kern, q, k_pool_l, v_pool_l, plan, run_part,
+                                                                   scale).to(q.dtype))
+    run_of = {r: i for i, (lo, hi) in enumerate(runs.rows) for r in range(lo, hi)} if runs is not None else {}
+    done = set(plan.small) if kern is not None and plan is not None else set()
     for b in range(len(starts)):
         n_b = cu[b + 1] - cu[b]
-        if n_b == 0:
+        if n_b == 0 or b in done:
             continue
         length = starts[b] + n_b
-        pieces = _segments(tables[b], tokens[b], c, length)
+        skip = runs.skip[b] if runs is not None else 0  # leading chunks its run already attended
+        pieces = [(k0 + skip * c, n, first, ids) for k0, n, first, ids
+                  in _segments(tables[b][skip:], tokens[b][skip:], c, length - skip * c)]
         qrow = q[cu[b] : cu[b + 1]].float()  # [n_b, Hq, D]
         if starts[b] == 0 and len(pieces) == 1:  # nothing cached: plain causal attention
             o, _lse = _causal_square(qrow, _piece(k_pool_l, pieces[0]), _piece(v_pool_l, pieces[0]), g, scale)
@@ -139,6 +167,10 @@ def prefill_torch(
             continue
         qb = qrow.view(n_b, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n_b, d)  # row gi*n_b + i
         acc: tuple[torch.Tensor, torch.Tensor] | None = None
+        if skip and run_part is not None:
+            r = run_of[b]  # [n_b, Hkv, g, (D)] -> the qb layout
+            acc = (run_part[0][r, cu[b] : cu[b + 1]].permute(1, 2, 0, 3).reshape(1, hkv, g * n_b, d),
+                   run_part[1][r, cu[b] : cu[b + 1]].permute(1, 2, 0).reshape(1, hkv, g * n_b))
         for o, lse in _row_parts(qb, qrow, k_pool_l, v_pool_l, pieces, starts[b], n_b, g, scale):
             if acc is None:
                 acc = (o.clone(), lse.clone())
@@ -251,4 +283,5 @@ def prefill_step(q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor
         from chunkserve.kernels.prefill_triton import prefill_triton
 
         return prefill_triton(q, k_pool_l, v_pool_l, tables, float(scale))
-    return prefill_torch(q, k_pool_l, v_pool_l, *tables.lists, tables.starts, tables.cu, float(scale))
+    plan = tables.cpu_plan(k_pool_l.shape[2]) if run_kernel(q, k_pool_l) is not None else None
+    return prefill_torch(q, k_pool_l, v_pool_l, *tables.lists, tables.starts, tables.cu, float(scale), plan=plan)
