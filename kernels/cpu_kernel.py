@@ -102,7 +102,7 @@ class CpuDecodeKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        if lib.cs_abi_version() != 3:
+        if lib.cs_abi_version() != 4:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -115,6 +115,10 @@ class CpuDecodeKernel:
                          ctypes.c_int]
         runs.restype = ctypes.c_int
         self._runs = runs
+        rows_fn = lib.cs_run_attention_rows  # the same arguments; runs over disjoint rows share slot 0
+        rows_fn.argtypes = runs.argtypes
+        rows_fn.restype = ctypes.c_int
+        self._runs_rows = rows_fn
         layer = lib.cs_decode_layer
         layer.argtypes = [ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr]
         layer.restype = ctypes.c_int
@@ -240,6 +244,32 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
                     part_o.data_ptr(), part_lse.data_ptr(), threads)
     if rc != 0:
         raise RuntimeError(f"cs_run_attention failed with code {rc} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")
+
+
+def rows_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor,
+                   table: RunTable, scale: float, o: torch.Tensor, lse: torch.Tensor, ws: Workspace) -> None:
+    """`run_attention` over runs whose rows do not overlap, all into one slot: o [b, Hkv, g, D], lse
+    [b, Hkv, g] fp32 contiguous receive each run's rows (other rows are left as they are)."""
+    b, hkv, g, d = q4.shape
+    c = k_pool_l.shape[2]
+    if not (o.is_contiguous() and lse.is_contiguous() and o.shape == q4.shape and lse.shape == q4.shape[:3]
+            and o.dtype == lse.dtype == torch.float32):
+        raise ValueError("o / lse must be contiguous fp32 [b, Hkv, g, D] / [b, Hkv, g]")
+    qs = ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device)
+    torch.mul(q4, scale, out=qs)  # [b, Hkv, g, D], pre-scaled
+    threads, nsplit, mmax = run_launch_params(table, hkv, g, d, c)
+    n_runs = table.rows.shape[0]
+    so = slse = None
+    if nsplit > 1:
+        so = ws.take("cpuk_run_so", (n_runs, hkv, nsplit, mmax, d), torch.float32, q4.device)
+        slse = ws.take("cpuk_run_slse", (n_runs, hkv, nsplit, mmax), torch.float32, q4.device)
+    rc = kern._runs_rows(qs.data_ptr(), k_pool_l.data_ptr(), v_pool_l.data_ptr(), k_pool_l.stride(0),
+                         k_pool_l.stride(1), DTYPE_CODES[k_pool_l.dtype], table.rows.data_ptr(), table.cptr.data_ptr(),
+                         table.chunks.data_ptr(), table.tokens.data_ptr(), n_runs, b, hkv, g, d, c, nsplit, mmax,
+                         None if so is None else so.data_ptr(), None if slse is None else slse.data_ptr(),
+                         o.data_ptr(), lse.data_ptr(), threads)
+    if rc != 0:
+        raise RuntimeError(f"cs_run_attention_rows failed with code {rc} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")
 
 
 def run_launch_params(table: RunTable, hkv: int, g: int, d: int, c: int) -> tuple[int, int, int]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkserve.kernels.prefill_runs import CpuPrefillPlan, run_kernel, run_partials, small_rows_attention
+from chunkserve.kernels.prefill_runs import CpuPrefillPlan, chunk_first_prefill, run_kernel
 from chunkserve.kernels.torch_ops import merge_into, partial_attention
 
 PREFILL_BACKENDS = ("torch", "triton", "auto")
@@ -131,35 +131,25 @@ def prefill_torch(
 
     The g query heads of a KV head are packed into the query rows (``[1, Hkv, g*n_b, D]``), so
     each key is read once per KV head; pieces are merged by online softmax. A row with nothing
-    cached and one piece is one plain causal call. With ``prefix_runs`` (and the CPU kernel), rows'
-    leading cached full chunks are attended first, chunk-first across the rows that share them, rows with
-    few new tokens finish in the decode kernel, and each other row's remaining keys are merged into its run's
-    partial (`prefill_runs.py`; ``plan``: the step's, built once for every layer, else here).
+    cached and one piece is one plain causal call. With ``prefix_runs`` and the CPU kernels, the step goes
+    chunk-first instead (`prefill_runs.py`: shared cached chunks once per run of rows; ``plan``: the step's,
+    built once for every layer, else here).
     """
     hkv, _n, c, d = k_pool_l.shape
     hq = q.shape[1]
     g = hq // hkv
-    out = torch.empty_like(q)
     kern = run_kernel(q, k_pool_l) if prefix_runs else None
-    if kern is not None and plan is None:
-        plan = CpuPrefillPlan.build(tables, tokens, starts, cu, c)
-    runs = plan.runs if kern is not None and plan is not None else None
-    run_part = None
-    if kern is not None and plan is not None:
-        run_part = run_partials(kern, q, k_pool_l, v_pool_l, plan, scale)  # shared chunks: [R, T, Hkv, g, (D)]
-        if plan.small and plan.tail_idx is not None:  # few new tokens: one decode-kernel row each, no loop
-            out.index_copy_(0, plan.tail_idx, small_rows_attention(kern, q, k_pool_l, v_pool_l, plan, run_part,
-                                                                   scale).to(q.dtype))
-    run_of = {r: i for i, (lo, hi) in enumerate(runs.rows) for r in range(lo, hi)} if runs is not None else {}
-    done = set(plan.small) if kern is not None and plan is not None else set()
+    if kern is not None:  # chunk-first: the whole step in three kernel calls (`prefill_runs.py`)
+        if plan is None:
+            plan = CpuPrefillPlan.build(tables, tokens, starts, cu, c)
+        return chunk_first_prefill(kern, q, k_pool_l, v_pool_l, plan, scale).to(q.dtype)
+    out = torch.empty_like(q)
     for b in range(len(starts)):
         n_b = cu[b + 1] - cu[b]
-        if n_b == 0 or b in done:
+        if n_b == 0:
             continue
         length = starts[b] + n_b
-        skip = runs.skip[b] if runs is not None else 0  # leading chunks its run already attended
-        pieces = [(k0 + skip * c, n, first, ids) for k0, n, first, ids
-                  in _segments(tables[b][skip:], tokens[b][skip:], c, length - skip * c)]
+        pieces = _segments(tables[b], tokens[b], c, length)
         qrow = q[cu[b] : cu[b + 1]].float()  # [n_b, Hq, D]
         if starts[b] == 0 and len(pieces) == 1:  # nothing cached: plain causal attention
             o, _lse = _causal_square(qrow, _piece(k_pool_l, pieces[0]), _piece(v_pool_l, pieces[0]), g, scale)
@@ -167,10 +157,6 @@ def prefill_torch(
             continue
         qb = qrow.view(n_b, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n_b, d)  # row gi*n_b + i
         acc: tuple[torch.Tensor, torch.Tensor] | None = None
-        if skip and run_part is not None:
-            r = run_of[b]  # [n_b, Hkv, g, (D)] -> the qb layout
-            acc = (run_part[0][r, cu[b] : cu[b + 1]].permute(1, 2, 0, 3).reshape(1, hkv, g * n_b, d),
-                   run_part[1][r, cu[b] : cu[b + 1]].permute(1, 2, 0).reshape(1, hkv, g * n_b))
         for o, lse in _row_parts(qb, qrow, k_pool_l, v_pool_l, pieces, starts[b], n_b, g, scale):
             if acc is None:
                 acc = (o.clone(), lse.clone())

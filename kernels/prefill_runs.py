@@ -1,20 +1,20 @@
-"""Prefill over a shared cached prefix, chunk-first: TPP's phase 1 for the new tokens of a step.
+"""Prefill attention on the CPU, chunk-first: a step's new tokens over their keys in three kernel calls.
 
-When several requests of a step start with the same cached chunks (the chats of a tenant after its system
-prompt), `prefill_torch` would read those chunks once per request and per GQA group, in one small SDPA call
-each. Here adjacent batch rows whose tables begin with the same full chunks, cached before all of their new
-tokens, form a run; every new token of the run is one query row of the CPU phase-1 kernel
-(`cpu_kernel.run_attention`), so each key and value of the shared chunks is loaded once per run and the
-scores are a matrix product over all of the run's tokens. The kernel returns a normalised partial and its
-log-sum-exp per token; `prefill_torch` merges the rest of each row (its private chunks and its causal new
-tokens) into it by online softmax. A row alone with cached full chunks is a run of one (the kernel beats
-ATen's SDPA on a single row's cached prefix too).
+`prefill_torch`'s loop reads each row's keys in place but makes a few small SDPA calls per row, and when
+several requests of a step start with the same cached chunks (the chats of a tenant after its system
+prompt) it reads those chunks once per request. Here every new token of the step is a query row of the CPU
+kernels, and its keys split in three parts, each one call for the whole step:
 
-Rows with few new tokens (at most `TAIL_MAX_TOKENS`: a chat's question after a cached system prompt) finish
-without a per-row loop: each of their new tokens becomes a row of the in-place decode kernel over the keys
-after its run's chunks, up to its own position (`tail_tables`: the causal mask is the valid-token count of
-each chunk), and one merge per step folds the run partials in. Rows with many new tokens keep ATen's causal
-SDPA for their new keys (`prefill_torch`'s loop), where its matrix form wins.
+* **shared runs**: adjacent rows whose tables begin with the same full chunks, cached before all of their
+  new tokens, form a run; the run's tokens attend those chunks together in TPP's phase-1 kernel
+  (`cpu_kernel`'s run kernel), so each shared key is loaded once per run (a row alone is a run of one);
+* **block runs**: the new tokens of a row that lie in one chunk attend the row's chunks between its shared
+  run and that chunk, again as one run (a matrix product over up to a chunk of tokens);
+* **own chunk**: each token attends its own chunk up to its own position in the in-place decode kernel (the
+  causal mask is the valid-token count).
+
+The three normalised partials merge per token by log-sum-exp. The plan (runs and tables) is built once per
+step for all layers (`PrefillTables.cpu_plan`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkserve.kernels.cpu_kernel import CpuDecodeKernel, RunTable, load_cpu_kernel, run_attention
+from chunkserve.kernels.cpu_kernel import CpuDecodeKernel, RunTable, load_cpu_kernel, rows_attention
 from chunkserve.kernels.torch_ops import Workspace, merge_into
 
-TAIL_MAX_TOKENS = 64  # rows with at most this many new tokens go through the decode kernel, token by token
+RUN_TOKENS = 128  # a shared run's tokens go in pieces of this many (their query rows and accumulators stay in L2)
 
 
 @dataclass(frozen=True)
@@ -85,108 +85,71 @@ def run_kernel(q: torch.Tensor, pool: torch.Tensor) -> CpuDecodeKernel | None:
 
 @dataclass(frozen=True)
 class CpuPrefillPlan:
-    """What a prefill step's every layer reuses on the CPU path: the runs and their kernel table, the rows
-    with few new tokens (``small``) and their tokens' decode-kernel tables, and where a run partial folds
-    into them. Built once per step (`PrefillTables.cpu_plan`)."""
+    """A prefill step's kernel tables on the CPU path (see the module docstring), for every layer: the shared
+    runs and the block runs (over token rows of q; None when there are none) and each token's own chunk
+    (int32 [T, 1] chunk id and the keys it may see there)."""
 
     runs: PrefixRuns | None
-    run_table: RunTable | None
-    small: list[int]
-    tail_idx: torch.Tensor | None  # int64 [n]: q rows of the small rows' new tokens
-    tail_table: torch.Tensor | None  # int32 [n, P]
-    tail_seen: torch.Tensor | None  # int32 [n, P]
-    merge_at: torch.Tensor | None  # int64 [m]: positions among the n tokens that have a run partial
-    merge_slot: torch.Tensor | None  # int64 [m]: their run
-    merge_row: torch.Tensor | None  # int64 [m]: their q row
+    shared: RunTable | None
+    blocks: RunTable | None
+    own_table: torch.Tensor
+    own_seen: torch.Tensor
 
     @staticmethod
     def build(tables: list[list[int]], tokens: list[list[int]], starts: list[int], cu: list[int],
               c: int) -> CpuPrefillPlan:
         runs = find_runs(tables, tokens, starts, cu, c)
-        run_table = None
-        if runs is not None:
-            run_table = RunTable.build([(cu[i], cu[j]) for i, j in runs.rows], runs.chunks,
-                                       [(c,) * len(ch) for ch in runs.chunks])
-        small = [b for b in range(len(starts)) if 0 < cu[b + 1] - cu[b] <= TAIL_MAX_TOKENS]
-        if not small:
-            return CpuPrefillPlan(runs, run_table, [], None, None, None, None, None, None)
+        shared = None
+        if runs is not None:  # each run's tokens in pieces of at most RUN_TOKENS query rows
+            pieces = [((lo, min(lo + RUN_TOKENS, cu[j])), ch) for (i, j), ch in zip(runs.rows, runs.chunks, strict=True)
+                      for lo in range(cu[i], cu[j], RUN_TOKENS)]
+            shared = RunTable.build([r for r, _ in pieces], [ch for _, ch in pieces],
+                                    [(c,) * len(ch) for _, ch in pieces])
         skip = runs.skip if runs is not None else [0] * len(starts)
-        idx, table, seen = tail_tables(small, tables, tokens, starts, cu, skip)
-        at = slots = None
-        if runs is not None:
-            slot = {r: i for i, (lo, hi) in enumerate(runs.rows) for r in range(lo, hi)}
-            per_token = np.concatenate([np.full(cu[b + 1] - cu[b], slot[b] if skip[b] else -1) for b in small])
-            at = np.flatnonzero(per_token >= 0)
-            slots = per_token[at]
-        some = at is not None and slots is not None and at.size > 0
-        return CpuPrefillPlan(
-            runs, run_table, small, torch.from_numpy(idx), torch.from_numpy(table), torch.from_numpy(seen),
-            torch.from_numpy(at) if some else None, torch.from_numpy(slots) if some else None,
-            torch.from_numpy(idx[at]) if some else None)
+        t = cu[-1] if cu else 0
+        own_table = np.zeros((t, 1), dtype=np.int32)
+        own_seen = np.zeros((t, 1), dtype=np.int32)
+        b_rows: list[tuple[int, int]] = []
+        b_chunks: list[tuple[int, ...]] = []
+        b_tokens: list[tuple[int, ...]] = []
+        for b in range(len(starts)):
+            n_b = cu[b + 1] - cu[b]
+            if n_b == 0:
+                continue
+            nt = np.asarray(tokens[b], dtype=np.int64)
+            first = np.cumsum(nt) - nt  # first position of each chunk
+            pos = np.arange(starts[b], starts[b] + n_b)
+            k_of = np.searchsorted(first + nt, pos, side="right")  # [n_b]: the chunk holding each position
+            own_table[cu[b]:cu[b + 1], 0] = np.asarray(tables[b], dtype=np.int32)[k_of]
+            own_seen[cu[b]:cu[b + 1], 0] = pos + 1 - first[k_of]
+            lo = cu[b]
+            for k in np.unique(k_of).tolist():  # new tokens by chunk: a block run over chunks [skip, k)
+                n_k = int((k_of == k).sum())
+                if k > skip[b]:
+                    b_rows.append((lo, lo + n_k))
+                    b_chunks.append(tuple(tables[b][skip[b]:k]))
+                    b_tokens.append(tuple(tokens[b][skip[b]:k]))
+                lo += n_k
+        blocks = RunTable.build(b_rows, b_chunks, b_tokens) if b_rows else None
+        return CpuPrefillPlan(runs, shared, blocks, torch.from_numpy(own_table), torch.from_numpy(own_seen))
 
 
-def run_partials(kern: CpuDecodeKernel, q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor,
-                 plan: CpuPrefillPlan, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Each run's new tokens over its shared chunks. q: [T, Hq, D] -> (o [R, T, Hkv, g, D], lse [R, T, Hkv, g])
-    fp32 (slot r holds run r's tokens only), or None without runs."""
-    if plan.run_table is None:
-        return None
+def chunk_first_prefill(kern: CpuDecodeKernel, q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor,
+                        plan: CpuPrefillPlan, scale: float) -> torch.Tensor:
+    """Every new token of the step over all its keys. q: [T, Hq, D] -> o: [T, Hq, D] fp32."""
     t, hq, d = q.shape
     hkv = k_pool_l.shape[0]
     g = hq // hkv
-    q4 = q.float().reshape(t, hkv, g, d)  # [T, Hkv, g, D]: query heads of a KV head together
-    n_runs = plan.run_table.rows.shape[0]
-    part_o = torch.empty(n_runs, t, hkv, g, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(n_runs, t, hkv, g, dtype=torch.float32, device=q.device)
-    run_attention(kern, q4, k_pool_l, v_pool_l, plan.run_table, scale, part_o, part_lse, Workspace())
-    return part_o, part_lse
-
-
-def small_rows_attention(kern: CpuDecodeKernel, q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor,
-                         plan: CpuPrefillPlan, run_part: tuple[torch.Tensor, torch.Tensor] | None,
-                         scale: float) -> torch.Tensor:
-    """Attention of the new tokens of ``plan.small`` over all their keys: o fp32 [n, Hq, D] for the q rows
-    ``plan.tail_idx``."""
-    if plan.tail_idx is None or plan.tail_table is None or plan.tail_seen is None:
-        raise ValueError("the plan has no small rows")
-    t, hq, d = q.shape
-    hkv = k_pool_l.shape[0]
-    g = hq // hkv
-    q4 = q.float().reshape(t, hkv, g, d).index_select(0, plan.tail_idx)  # [n, Hkv, g, D]
-    o = torch.empty_like(q4)
-    lse = torch.empty(q4.shape[:3], dtype=torch.float32)  # [n, Hkv, g]
-    kern(q4, k_pool_l, v_pool_l, plan.tail_table, plan.tail_seen, scale, o, lse, Workspace())
-    if run_part is not None and plan.merge_at is not None:  # fold in the run partial (the shared chunks)
-        o_m, lse_m = o.index_select(0, plan.merge_at), lse.index_select(0, plan.merge_at)
-        merge_into(o_m, lse_m, run_part[0][plan.merge_slot, plan.merge_row], run_part[1][plan.merge_slot, plan.merge_row])
-        o.index_copy_(0, plan.merge_at, o_m)
-    return o.view(-1, hq, d)
-
-
-def tail_tables(rows: list[int], tables: list[list[int]], tokens: list[list[int]], starts: list[int],
-                cu: list[int], skip: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per new token of ``rows``: its row of q (int64 [n]) and the chunks after its run's ``skip`` leading
-    ones with the tokens it may see (int32 [n, P]: up to its own position; 0 = none)."""
-    idx: list[np.ndarray] = []
-    tabs: list[np.ndarray] = []
-    toks: list[np.ndarray] = []
-    rows_out: list[tuple[np.ndarray, np.ndarray]] = []
-    for b in rows:
-        ids = np.asarray(tables[b][skip[b]:], dtype=np.int32)
-        nt = np.asarray(tokens[b][skip[b]:], dtype=np.int64)
-        first = np.cumsum(nt) - nt + sum(tokens[b][:skip[b]])  # first position of each chunk
-        pos = np.arange(starts[b], starts[b] + cu[b + 1] - cu[b])  # [n_b] positions of the new tokens
-        used = np.flatnonzero((nt > 0) & (first <= pos[-1]))
-        keep = int(used[-1]) + 1 if used.size else 0  # the table's padding and chunks past the row: dropped
-        ids, nt, first = ids[:keep], nt[:keep], first[:keep]
-        seen = np.clip(pos[:, None] + 1 - first[None, :], 0, nt[None, :])  # [n_b, P_b]
-        rows_out.append((np.broadcast_to(ids, seen.shape), seen))
-        idx.append(np.arange(cu[b], cu[b + 1]))
-    width = max(1, max(ids.shape[1] for ids, _ in rows_out))
-    for ids, seen in rows_out:
-        pad = ((0, 0), (0, width - ids.shape[1]))
-        tabs.append(np.pad(ids, pad))
-        toks.append(np.pad(seen, pad))
-    return np.concatenate(idx), np.concatenate(tabs).astype(np.int32), np.concatenate(toks).astype(np.int32)
-
-
+    q4 = q.float().reshape(t, hkv, g, d)  # [T, Hkv, g, D]: the query heads of a KV head together
+    ws = Workspace()
+    o = torch.empty(t, hkv, g, d, dtype=torch.float32)
+    lse = torch.empty(t, hkv, g, dtype=torch.float32)
+    kern(q4, k_pool_l, v_pool_l, plan.own_table, plan.own_seen, scale, o, lse, ws)  # own chunk, causal
+    for table in (plan.shared, plan.blocks):
+        if table is None:
+            continue
+        o_r = torch.zeros(t, hkv, g, d, dtype=torch.float32)  # rows outside every run: empty partials
+        lse_r = torch.full((t, hkv, g), float("-inf"), dtype=torch.float32)
+        rows_attention(kern, q4, k_pool_l, v_pool_l, table, scale, o_r, lse_r, ws)
+        merge_into(o, lse, o_r, lse_r)
+    return o.view(t, hq, d)

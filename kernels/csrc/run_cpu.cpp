@@ -8,7 +8,8 @@
 // rows pre-transposed to Q^T [D, rows]; online softmax vectorised across rows (one max, one exp
 // per score); then O [rows, D] += P V by a 4-row x 2-vector tile. Only valid token slots are read.
 // Output, per run r: normalised o in slot r of [R, b, Hkv, g, D] and lse in [R, b, Hkv, g] (rows
-// [i, j) only; other rows of the slot are left untouched). Splits are merged by log-sum-exp.
+// [i, j) only; other rows of the slot are left untouched), or all in slot 0 for runs over disjoint rows
+// (`cs_run_attention_rows`). Splits are merged by log-sum-exp.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -38,7 +39,10 @@ struct RunArgs {
   float* slse;             // [R, hkv, nsplit, mmax]
   float* o;                // [R, b, hkv, g, d]
   float* lse;              // [R, b, hkv, g]
+  int64_t one_slot;        // 1: every run writes slot 0 (their rows are disjoint)
 };
+
+inline int64_t oslot(const RunArgs& a, int64_t r) { return a.one_slot ? 0 : r; }
 
 struct Scratch {
   std::vector<float> qt, acc, m, l, st, kf, vf_;
@@ -203,8 +207,8 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
   const bool direct = a.nsplit == 1;
   for (int64_t x = 0; x < M; ++x) {
     const int64_t slot = ((r * a.hkv + h) * a.nsplit + s) * a.mmax + x;
-    float* od = direct ? a.o + (r * a.b * a.hkv * a.g) * d + (qrow(a, i, h, x) - a.q) : a.so + slot * d;
-    float* ld = direct ? a.lse + r * a.b * a.hkv * a.g + (qrow(a, i, h, x) - a.q) / d : a.slse + slot;
+    float* od = direct ? a.o + (oslot(a, r) * a.b * a.hkv * a.g) * d + (qrow(a, i, h, x) - a.q) : a.so + slot * d;
+    float* ld = direct ? a.lse + oslot(a, r) * a.b * a.hkv * a.g + (qrow(a, i, h, x) - a.q) / d : a.slse + slot;
     if (l[x] > 0.f) {
       const float inv = 1.f / l[x];
       for (int64_t j = 0; j < d; ++j) od[j] = acc[x * d + j] * inv;
@@ -221,8 +225,8 @@ void merge(const RunArgs& a, int64_t r, int64_t h) {
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t x = 0; x < M; ++x) {
     const int64_t off = qrow(a, i, h, x) - a.q;
-    float* od = a.o + r * a.b * a.hkv * a.g * d + off;
-    float* ld = a.lse + r * a.b * a.hkv * a.g + off / d;
+    float* od = a.o + oslot(a, r) * a.b * a.hkv * a.g * d + off;
+    float* ld = a.lse + oslot(a, r) * a.b * a.hkv * a.g + off / d;
     float mx = ninf;
     for (int64_t s = 0; s < S; ++s) mx = std::max(mx, a.slse[((r * a.hkv + h) * S + s) * a.mmax + x]);
     std::memset(od, 0, sizeof(float) * d);
@@ -267,20 +271,14 @@ void run(const RunArgs& a, int nthreads) {
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-int cs_vector_width() { return kW; }
-
-// dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or a negative code for unsupported arguments.
-int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
-                     const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
-                     int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
-                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads) {
+int run_rows_impl(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
+                  const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
+                  int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
+                  int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t one_slot) {
   if (d < 1 || d % kW != 0 || c < 1 || nsplit < 1 || g < 1) return -1;
   if (nsplit > 1 && (so == nullptr || slse == nullptr)) return -2;
-  const RunArgs a{q, k, v, hs, cs, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so, slse, o, lse};
+  const RunArgs a{q, k, v, hs, cs, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so, slse, o, lse,
+                  one_slot};
   if (nthreads < 1) nthreads = 1;
   // row blocks of 3 vectors (the better tile) unless 2 pad the runs' rows less
   int64_t pad2 = 0, pad3 = 0;
@@ -296,6 +294,30 @@ int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, i
     case 2: three ? run<_Float16, 3>(a, nthreads) : run<_Float16, 2>(a, nthreads); return 0;
     default: return -3;
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+int cs_vector_width() { return kW; }
+
+// dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or a negative code for unsupported arguments.
+int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
+                     const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
+                     int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
+                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads) {
+  return run_rows_impl(q, k, v, hs, cs, dtype, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so,
+                       slse, o, lse, nthreads, 0);
+}
+
+// The same over runs whose rows do not overlap: every run writes its rows of slot 0 (o [b, Hkv, g, D]).
+int cs_run_attention_rows(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
+                          const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
+                          int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
+                          int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads) {
+  return run_rows_impl(q, k, v, hs, cs, dtype, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so,
+                       slse, o, lse, nthreads, 1);
 }
 
 }  // extern "C"

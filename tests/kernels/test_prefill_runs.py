@@ -1,5 +1,5 @@
-"""Prefill over shared cached chunks, chunk-first (`kernels/prefill_runs.py`): the runs it finds, the causal
-tables of rows with few new tokens, and outputs equal to the row-by-row path and a float64 reference."""
+"""Prefill chunk-first on the CPU (`kernels/prefill_runs.py`): the shared runs it finds, the block runs and
+own-chunk tables of its plan, and outputs equal to the row-by-row path and a float64 reference."""
 
 from __future__ import annotations
 
@@ -7,13 +7,7 @@ import pytest
 import torch
 
 from chunkserve.kernels.prefill import prefill_attention, prefill_torch
-from chunkserve.kernels.prefill_runs import (
-    TAIL_MAX_TOKENS,
-    CpuPrefillPlan,
-    find_runs,
-    run_kernel,
-    tail_tables,
-)
+from chunkserve.kernels.prefill_runs import CpuPrefillPlan, find_runs, run_kernel
 from tests.kernels.test_prefill import reference
 
 C = 16
@@ -31,14 +25,20 @@ def test_adjacent_rows_sharing_full_cached_chunks_form_one_run_limited_by_the_ea
     assert find_runs([[5, 6]], [[C, 3]], [C - 1], [0, 4], C) is None  # its first chunk is not all cached
 
 
-def test_a_small_rows_tokens_see_the_chunks_after_the_run_up_to_their_own_position() -> None:
-    tables, tokens = [[5, 6, 9, 0]], [[C, C, 3, 0]]
-    idx, table, seen = tail_tables([0], tables, tokens, [2 * C + 1], [0, 2], [2])
-    assert idx.tolist() == [0, 1] and table.tolist() == [[9], [9]]
-    assert seen.tolist() == [[2], [3]]  # positions 2C+1 and 2C+2 see 2 and 3 keys of chunk 9
-    idx, table, seen = tail_tables([0], tables, tokens, [C - 2], [0, 3], [0])  # no run: from chunk 0
-    assert table.tolist() == [[5, 6]] * 3  # chunk 9 (from 2C on) lies past the row's last new token
-    assert seen.tolist() == [[C - 1, 0], [C, 0], [C, 1]]
+def test_the_plan_gives_each_token_its_own_chunk_up_to_its_position_and_a_block_run_over_the_chunks_between(
+        ) -> None:
+    tables, tokens = [[5, 6, 9, 11]], [[C, C, C, 4]]
+    start, n_new = C + 10, 2 * C - 6  # positions C+10 .. 3C+3
+    plan = CpuPrefillPlan.build(tables, tokens, [start], [0, n_new], C)
+    assert plan.runs is not None and plan.runs.skip == [1]  # chunk 5 is cached before every new token
+    pos = torch.arange(start, start + n_new)
+    chunk = torch.where(pos < 2 * C, 6, torch.where(pos < 3 * C, 9, 11))
+    first = torch.where(pos < 2 * C, C, torch.where(pos < 3 * C, 2 * C, 3 * C))
+    assert plan.own_table[:, 0].tolist() == chunk.tolist()
+    assert plan.own_seen[:, 0].tolist() == (pos + 1 - first).tolist()
+    assert plan.blocks is not None
+    assert plan.blocks.rows.tolist() == [[6, 22], [22, 26]]  # the tokens in chunk 9, then those in chunk 11
+    assert plan.blocks.chunks.tolist() == [6, 6, 9] and plan.blocks.cptr.tolist() == [0, 1, 3]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -49,11 +49,15 @@ def test_prefill_over_shared_cached_chunks_equals_the_row_by_row_path_and_the_re
     tree = cache_tree(7, hkv, 64, C, dtype, device="cpu", max_len=512)
     system = [tree.rint(0, 4) for _ in range(3 * C + 5)]  # 3 full chunks + a partial one, shared
     ids, starts, cu = [], [], [0]
-    for n_new in (3, 12, TAIL_MAX_TOKENS + 6, 1, 20):  # small rows and one long one among them
+    for n_new in (3, 12, 70, 1, 20):  # short suffixes and one that spans several chunks
         seq = system + [tree.rint(0, 4) for _ in range(n_new + tree.rint(0, 9))]
         ids.append(tree.add(seq))
         starts.append(len(seq) - n_new)
         cu.append(cu[-1] + n_new)
+    fresh = [tree.rint(0, 4) for _ in range(3 * C + 7)]  # a last row with nothing cached
+    ids.append(tree.add(fresh))
+    starts.append(0)
+    cu.append(cu[-1] + len(fresh))
     ctx = tree.cache.context(ids)
     inv = torch.argsort(ctx.order)
     table, tokens = ctx.block_table.index_select(0, inv), ctx.block_tokens.index_select(0, inv)
@@ -63,7 +67,7 @@ def test_prefill_over_shared_cached_chunks_equals_the_row_by_row_path_and_the_re
         pytest.skip("the CPU kernel is not available here")
     plan = CpuPrefillPlan.build(table.tolist(), tokens.tolist(), starts, cu, C)
     assert plan.runs is not None and plan.runs.rows == [(0, 5)] and len(plan.runs.chunks[0]) == 3
-    assert plan.small == [0, 1, 3, 4]  # the long row goes through the loop, merged into its run's partial
+    assert plan.blocks is not None  # the long rows' later chunks see their earlier ones as a run
     kvs = [tuple(x[0].transpose(0, 1) for x in tree.kv(tree.tokens[s])) for s in ids]
     ref = reference(q, kvs, starts, cu, 0.125)
     chunked = prefill_attention(q, *pools, table, tokens, starts, cu, 0.125, backend="torch")
