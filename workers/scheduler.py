@@ -9,7 +9,9 @@ request with at most two chunks of prompt left (a chat whose system prompt is ca
 never past the request next in that order when it does not fit yet. Going first by size is bounded: a
 request overtaken by ``fair_quantum`` tokens of its tenant's later arrivals is overdue and goes first.
 A step that already ends `HOLD_FIRST_TOKENS` prompts takes no piece of a prompt it cannot end, so a
-burst's first tokens are not held back by the next long prompt. When a decode cannot get a slot a victim
+burst's first tokens are not held back by the next long prompt; it passes over such prompts (up to
+`HOLD_SKIPS`) to the ones it can end, so a chat whose system prompt was just computed is not left out of its
+group's step because long prompts arrived before it. When a decode cannot get a slot a victim
 is preempted (its chunks released, so they stay cached) and requeued at its arrival position: the running
 request with the largest (tenant counter, arrival), never the oldest running request, so the oldest
 request always makes progress. Prefill pieces of running prompts and admissions share one order.
@@ -40,6 +42,7 @@ __all__ = ["PrefillPiece", "Request", "Scheduler", "SchedulerConfig", "Status", 
 
 HOLD_FIRST_TOKENS = 4  # a step that ends this many prompts takes no piece of a prompt it cannot end
 SCAN_WAITING = 8  # waiting requests per tenant that compete for the next prefill piece (oldest first)
+HOLD_SKIPS = 2 * SCAN_WAITING  # prompts a step that holds its first tokens passes over to find ones it can end
 
 
 @dataclass(frozen=True)
@@ -152,13 +155,22 @@ class Scheduler:
         pending = [r for r in self.running if r.prefilling and id(r) not in in_decode
                    and id(r) not in self._preempted_now]
         admitting, ending = True, 0
+        skipped: set[int] = set()  # prompts this step passed over (they cannot end in it)
         self._step += 1  # `_remaining` matches a waiting request at most once per step
         while budget > 0:
             can_admit = admitting and bool(self.waiting) and len(self.running) < self.config.max_num_seqs
-            nxt, passed = (first, []) if first is not None and can_admit else self._next_prefill(pending, can_admit)
+            nxt, passed = ((first, []) if first is not None and can_admit
+                           else self._next_prefill(pending, can_admit, skipped))
             first = None
-            if nxt is None or (ending >= HOLD_FIRST_TOKENS and self._remaining(nxt) > budget):
-                break  # a piece that cannot end its prompt would hold back this step's many first tokens
+            if nxt is None:
+                break
+            if ending >= HOLD_FIRST_TOKENS and self._remaining(nxt) > budget:
+                # a piece that cannot end its prompt would hold back this step's many first tokens: look for
+                # prompts it can end instead (a burst's late chats of a tenant whose system prompt is computed)
+                if len(skipped) >= HOLD_SKIPS:
+                    break
+                skipped.add(id(nxt))
+                continue
             if nxt.status is Status.WAITING:
                 if id(nxt) in self._preempted_now or not self._admit(nxt):
                     admitting = False
@@ -175,23 +187,27 @@ class Scheduler:
         self._plan_decode_batch(decodes, plan)
         return plan
 
-    def _next_prefill(self, pending: list[Request], can_admit: bool) -> tuple[Request | None, list[Request]]:
+    def _next_prefill(self, pending: list[Request], can_admit: bool, skipped: set[int] | frozenset[int] = frozenset()
+                      ) -> tuple[Request | None, list[Request]]:
         """Whose prompt work goes next: candidates are the running requests with prompt left and, when
         ``can_admit``, each tenant's oldest `SCAN_WAITING` waiting ones. First come, first served: the oldest.
         Fair share: each tenant puts forward its oldest overdue request, else its oldest with at most two
         chunks of prompt left (a chat whose system prompt was just computed), else its oldest; `FairShare.choose`
         picks among those. A request overtaken by ``fair_quantum`` tokens of its tenant's later arrivals is
         overdue, so going first by size never starves a long prompt (across tenants the quantum bounds it).
-        Returns it and the older candidates of its tenant it goes before."""
+        Requests in ``skipped`` (by id) are passed over. Returns it and the older candidates of its tenant it
+        goes before."""
         if not self.config.fair_share:
-            oldest = min(pending, key=lambda r: r.seq, default=None)
-            if can_admit and (oldest is None or self.waiting[0].seq < oldest.seq):
-                oldest = self.waiting[0]
+            oldest = min((r for r in pending if id(r) not in skipped), key=lambda r: r.seq, default=None)
+            head = next((r for r in self.waiting if id(r) not in skipped), None) if can_admit else None
+            if head is not None and (oldest is None or head.seq < oldest.seq):
+                oldest = head
             return oldest, []
-        cands = list(pending)
+        cands = [r for r in pending if id(r) not in skipped]
         if can_admit:
             for queue in self._waiting_by_tenant.values():  # each in arrival order
-                cands += queue[:SCAN_WAITING]
+                cands += (queue[:SCAN_WAITING] if not skipped
+                          else list(itertools.islice((r for r in queue if id(r) not in skipped), SCAN_WAITING)))
         if not cands:
             return None, []
         c, q = self.cache.chunk_size, self.config.fair_quantum

@@ -268,6 +268,26 @@ def test_a_step_that_ends_four_prompts_takes_no_piece_it_cannot_end(chats: int) 
     assert sim.reqs["long"].num_computed == (0 if chats >= 4 else 512 - 16 * chats)
 
 
+def test_a_step_that_holds_its_first_tokens_passes_over_long_prompts_to_chats_that_arrived_behind_them() -> None:
+    """Open mode, a burst: a system prompt is computed, then 4 of its chats, 8 distinct long prompts and 2 more
+    chats arrive. The step that ends the first chats also ends the last two (only 16 new tokens each), though
+    more than `SCAN_WAITING` long prompts arrived before them; the long prompts wait for the next step."""
+    sim = make_sim(512, max_num_seqs=32, max_num_batched_tokens=512)
+    prefix = [7_000 + i for i in range(512)]
+    sim.add("p0", prefix + [1] * 16, 1)
+    sim.drain()
+    chat = [f"c{i}" for i in range(6)]
+    for rid in chat[:4]:
+        sim.add(rid, prefix + [20_000 + 100 * int(rid[1:]) + j for j in range(16)], 1)
+    for i in range(8):
+        sim.add(f"long{i}", [30_000 + 1_000 * i + j for j in range(1_024)], 1)
+    for rid in chat[4:]:
+        sim.add(rid, prefix + [20_000 + 100 * int(rid[1:]) + j for j in range(16)], 1)
+    sampled = sim.run_step()
+    assert {r.request_id for r in sampled} == set(chat)
+    assert all(sim.reqs[f"long{i}"].num_computed == 0 for i in range(8))
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), True, "2048"])
 def test_a_bad_fair_quantum_is_refused_when_the_engine_config_is_built(bad: object) -> None:
     from chunkserve.workers.engine_config import EngineConfig
