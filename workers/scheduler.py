@@ -5,7 +5,9 @@ requests never stall) and prefill chunks. A new prompt reuses its cached leading
 the rest is prefilled. Admission is by free KV chunks, in fair-share order across tenants (the
 virtual token counter of `fairness.py`, shortest remaining prompt first within ``fair_quantum``; first
 come, first served with ``fair_share=False``), oldest arrival first within a tenant except that a
-request with at most two chunks of prompt left (a chat whose system prompt is cached) goes first, and
+request with at most two chunks of prompt left (a chat whose system prompt is cached) goes first, then a
+prompt already being prefilled (the frontend's arrival stamps can put a request that reaches the engine
+later ahead of it), and
 never past the request next in that order when it does not fit yet. Going first by size is bounded: a
 request overtaken by ``fair_quantum`` tokens of its tenant's later arrivals is overdue and goes first.
 A step that already ends `HOLD_FIRST_TOKENS` prompts takes no piece of a prompt it cannot end, so a
@@ -192,7 +194,8 @@ class Scheduler:
         """Whose prompt work goes next: candidates are the running requests with prompt left and, when
         ``can_admit``, each tenant's oldest `SCAN_WAITING` waiting ones. First come, first served: the oldest.
         Fair share: each tenant puts forward its oldest overdue request, else its oldest with at most two
-        chunks of prompt left (a chat whose system prompt was just computed), else its oldest; `FairShare.choose`
+        chunks of prompt left (a chat whose system prompt was just computed), else its oldest running one (a
+        started prompt goes on), else its oldest; `FairShare.choose`
         picks among those. A request overtaken by ``fair_quantum`` tokens of its tenant's later arrivals is
         overdue, so going first by size never starves a long prompt (across tenants the quantum bounds it).
         Requests in ``skipped`` (by id) are passed over. Returns it and the older candidates of its tenant it
@@ -215,7 +218,8 @@ class Scheduler:
         for r in sorted(cands, key=lambda r: r.seq):
             by_tenant.setdefault(r.tenant, []).append(r)
         heads = [next((r for r in rs if r.overtaken >= q), None)
-                 or next((r for r in rs if self._remaining(r) <= 2 * c), rs[0]) for rs in by_tenant.values()]
+                 or next((r for r in rs if self._remaining(r) <= 2 * c), None)
+                 or next((r for r in rs if r.status is Status.RUNNING), rs[0]) for rs in by_tenant.values()]
         nxt = self.fair.choose(heads, self._remaining)
         return nxt, [r for r in cands if r.tenant == nxt.tenant and r.seq < nxt.seq]
 

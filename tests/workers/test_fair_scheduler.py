@@ -288,6 +288,22 @@ def test_a_step_that_holds_its_first_tokens_passes_over_long_prompts_to_chats_th
     assert all(sim.reqs[f"long{i}"].num_computed == 0 for i in range(8))
 
 
+def test_a_prompt_already_being_prefilled_finishes_before_an_older_arrivals_prompt_of_its_tenant_starts() -> None:
+    """The frontend's arrival stamps order the queue, so a request stamped earlier can reach the engine after
+    another one started its prompt (the burst of a first pass). The started prompt goes on: it ends in the
+    next step, rather than waiting for the older arrival's whole prompt."""
+    now = [10.0]
+    sim = make_sim(256, clock=lambda: now[0], max_num_seqs=16, max_num_batched_tokens=512)
+    sim.add("started", [1_000 + i for i in range(1_000)], 1)
+    sim.run_step()  # 512 of its 1,000 tokens
+    now[0] = 5.0  # stamped before it by the frontend, arriving now
+    sim.add("older", [5_000 + i for i in range(1_000)], 1)
+    now[0] = 11.0
+    sampled = sim.run_step()
+    assert [r.request_id for r in sampled] == ["started"]
+    assert sim.reqs["older"].num_computed == 512 - (1_000 - 512)
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), True, "2048"])
 def test_a_bad_fair_quantum_is_refused_when_the_engine_config_is_built(bad: object) -> None:
     from chunkserve.workers.engine_config import EngineConfig
