@@ -102,7 +102,7 @@ class CpuDecodeKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        if lib.cs_abi_version() != 4:
+        if lib.cs_abi_version() != 5:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -112,13 +112,9 @@ class CpuDecodeKernel:
         self._fn = fn
         runs = lib.cs_run_attention
         runs.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, *[i64] * 8, ptr, ptr, ptr, ptr,
-                         ctypes.c_int]
+                         ctypes.c_int, i64]
         runs.restype = ctypes.c_int
         self._runs = runs
-        rows_fn = lib.cs_run_attention_rows  # the same arguments; runs over disjoint rows share slot 0
-        rows_fn.argtypes = runs.argtypes
-        rows_fn.restype = ctypes.c_int
-        self._runs_rows = rows_fn
         layer = lib.cs_decode_layer
         layer.argtypes = [ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr]
         layer.restype = ctypes.c_int
@@ -218,17 +214,19 @@ class RunTable:
 
 def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor,
                   table: RunTable, scale: float, part_o: torch.Tensor, part_lse: torch.Tensor,
-                  ws: Workspace) -> None:
+                  ws: Workspace, one_slot: bool = False) -> None:
     """TPP phase 1 on the CPU: each run's stacked queries against its chunks, read in place.
 
     q4: [b, Hkv, g, D] fp32; pools: [Hkv, N, c, D]; part_o: [S >= R, b, Hkv, g, D] and part_lse:
-    [S, b, Hkv, g] fp32 contiguous. Slot r receives run r's partial for its rows [i, j) only.
+    [S, b, Hkv, g] fp32 contiguous. Slot r receives run r's partial for its rows [i, j) only; with
+    ``one_slot`` (runs over disjoint rows) every run writes slot 0, so S may be 1.
     """
     b, hkv, g, d = q4.shape
     c = k_pool_l.shape[2]
     n_runs = table.rows.shape[0]
-    if not (part_o.is_contiguous() and part_lse.is_contiguous() and part_o.shape[0] >= n_runs
-            and part_o.shape[1:] == q4.shape and part_o.dtype == part_lse.dtype == torch.float32):
+    if not (part_o.is_contiguous() and part_lse.is_contiguous() and part_o.shape[0] >= (1 if one_slot else n_runs)
+            and part_o.shape[1:] == q4.shape and part_lse.shape == (part_o.shape[0], *q4.shape[:3])
+            and part_o.dtype == part_lse.dtype == torch.float32):
         raise ValueError("part_o / part_lse must be contiguous fp32 [S >= runs, b, Hkv, g, D] / [S, b, Hkv, g]")
     qs = ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device)
     torch.mul(q4, scale, out=qs)  # [b, Hkv, g, D], pre-scaled
@@ -241,35 +239,9 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
                     DTYPE_CODES[k_pool_l.dtype], table.rows.data_ptr(), table.cptr.data_ptr(),
                     table.chunks.data_ptr(), table.tokens.data_ptr(), n_runs, b, hkv, g, d, c, nsplit, mmax,
                     None if so is None else so.data_ptr(), None if slse is None else slse.data_ptr(),
-                    part_o.data_ptr(), part_lse.data_ptr(), threads)
+                    part_o.data_ptr(), part_lse.data_ptr(), threads, int(one_slot))
     if rc != 0:
         raise RuntimeError(f"cs_run_attention failed with code {rc} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")
-
-
-def rows_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor,
-                   table: RunTable, scale: float, o: torch.Tensor, lse: torch.Tensor, ws: Workspace) -> None:
-    """`run_attention` over runs whose rows do not overlap, all into one slot: o [b, Hkv, g, D], lse
-    [b, Hkv, g] fp32 contiguous receive each run's rows (other rows are left as they are)."""
-    b, hkv, g, d = q4.shape
-    c = k_pool_l.shape[2]
-    if not (o.is_contiguous() and lse.is_contiguous() and o.shape == q4.shape and lse.shape == q4.shape[:3]
-            and o.dtype == lse.dtype == torch.float32):
-        raise ValueError("o / lse must be contiguous fp32 [b, Hkv, g, D] / [b, Hkv, g]")
-    qs = ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device)
-    torch.mul(q4, scale, out=qs)  # [b, Hkv, g, D], pre-scaled
-    threads, nsplit, mmax = run_launch_params(table, hkv, g, d, c)
-    n_runs = table.rows.shape[0]
-    so = slse = None
-    if nsplit > 1:
-        so = ws.take("cpuk_run_so", (n_runs, hkv, nsplit, mmax, d), torch.float32, q4.device)
-        slse = ws.take("cpuk_run_slse", (n_runs, hkv, nsplit, mmax), torch.float32, q4.device)
-    rc = kern._runs_rows(qs.data_ptr(), k_pool_l.data_ptr(), v_pool_l.data_ptr(), k_pool_l.stride(0),
-                         k_pool_l.stride(1), DTYPE_CODES[k_pool_l.dtype], table.rows.data_ptr(), table.cptr.data_ptr(),
-                         table.chunks.data_ptr(), table.tokens.data_ptr(), n_runs, b, hkv, g, d, c, nsplit, mmax,
-                         None if so is None else so.data_ptr(), None if slse is None else slse.data_ptr(),
-                         o.data_ptr(), lse.data_ptr(), threads)
-    if rc != 0:
-        raise RuntimeError(f"cs_run_attention_rows failed with code {rc} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")
 
 
 def run_launch_params(table: RunTable, hkv: int, g: int, d: int, c: int) -> tuple[int, int, int]:

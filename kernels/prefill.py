@@ -125,23 +125,21 @@ def _segments(ids: list[int], toks: list[int], c: int, length: int) -> list[tupl
 def prefill_torch(
     q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, tables: list[list[int]],
     tokens: list[list[int]], starts: list[int], cu: list[int], scale: float, prefix_runs: bool = True,
-    plan: CpuPrefillPlan | None = None,
 ) -> torch.Tensor:
     """Loop over rows; each row reads its keys in place (one view per run of consecutive chunks).
 
     The g query heads of a KV head are packed into the query rows (``[1, Hkv, g*n_b, D]``), so
     each key is read once per KV head; pieces are merged by online softmax. A row with nothing
     cached and one piece is one plain causal call. With ``prefix_runs`` and the CPU kernels, the step goes
-    chunk-first instead (`prefill_runs.py`: shared cached chunks once per run of rows; ``plan``: the step's,
-    built once for every layer, else here).
+    chunk-first instead (`prefill_runs.py`: shared cached chunks once per run of rows; `prefill_step` builds
+    that plan once for every layer of a step, this convenience form builds it per call).
     """
     hkv, _n, c, d = k_pool_l.shape
     hq = q.shape[1]
     g = hq // hkv
     kern = run_kernel(q, k_pool_l) if prefix_runs else None
     if kern is not None:  # chunk-first: the whole step in three kernel calls (`prefill_runs.py`)
-        if plan is None:
-            plan = CpuPrefillPlan.build(tables, tokens, starts, cu, c)
+        plan = CpuPrefillPlan.build(tables, tokens, starts, cu, c)
         return chunk_first_prefill(kern, q, k_pool_l, v_pool_l, plan, scale).to(q.dtype)
     out = torch.empty_like(q)
     for b in range(len(starts)):
@@ -269,5 +267,9 @@ def prefill_step(q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor
         from chunkserve.kernels.prefill_triton import prefill_triton
 
         return prefill_triton(q, k_pool_l, v_pool_l, tables, float(scale))
-    plan = tables.cpu_plan(k_pool_l.shape[2]) if run_kernel(q, k_pool_l) is not None else None
-    return prefill_torch(q, k_pool_l, v_pool_l, *tables.lists, tables.starts, tables.cu, float(scale), plan=plan)
+    kern = run_kernel(q, k_pool_l)
+    if kern is not None:  # chunk-first over the step's plan, built once for all layers
+        plan = tables.cpu_plan(k_pool_l.shape[2])
+        return chunk_first_prefill(kern, q, k_pool_l, v_pool_l, plan, float(scale)).to(q.dtype)
+    return prefill_torch(q, k_pool_l, v_pool_l, *tables.lists, tables.starts, tables.cu, float(scale),
+                         prefix_runs=False)

@@ -19,12 +19,12 @@ step for all layers (`PrefillTables.cpu_plan`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from chunkserve.kernels.cpu_kernel import CpuDecodeKernel, RunTable, load_cpu_kernel, rows_attention
+from chunkserve.kernels.cpu_kernel import CpuDecodeKernel, RunTable, load_cpu_kernel, run_attention
 from chunkserve.kernels.torch_ops import Workspace, merge_into
 
 RUN_TOKENS = 128  # a shared run's tokens go in pieces of this many (their query rows and accumulators stay in L2)
@@ -86,14 +86,15 @@ def run_kernel(q: torch.Tensor, pool: torch.Tensor) -> CpuDecodeKernel | None:
 @dataclass(frozen=True)
 class CpuPrefillPlan:
     """A prefill step's kernel tables on the CPU path (see the module docstring), for every layer: the shared
-    runs and the block runs (over token rows of q; None when there are none) and each token's own chunk
-    (int32 [T, 1] chunk id and the keys it may see there)."""
+    runs and the block runs (over token rows of q; None when there are none), each token's own chunk (int32
+    [T, 1] chunk id and the keys it may see there), and the scratch the step's layers share."""
 
     runs: PrefixRuns | None
     shared: RunTable | None
     blocks: RunTable | None
     own_table: torch.Tensor
     own_seen: torch.Tensor
+    ws: Workspace = field(default_factory=Workspace, compare=False, repr=False)
 
     @staticmethod
     def build(tables: list[list[int]], tokens: list[list[int]], starts: list[int], cu: list[int],
@@ -141,15 +142,15 @@ def chunk_first_prefill(kern: CpuDecodeKernel, q: torch.Tensor, k_pool_l: torch.
     hkv = k_pool_l.shape[0]
     g = hq // hkv
     q4 = q.float().reshape(t, hkv, g, d)  # [T, Hkv, g, D]: the query heads of a KV head together
-    ws = Workspace()
+    ws = plan.ws
     o = torch.empty(t, hkv, g, d, dtype=torch.float32)
     lse = torch.empty(t, hkv, g, dtype=torch.float32)
     kern(q4, k_pool_l, v_pool_l, plan.own_table, plan.own_seen, scale, o, lse, ws)  # own chunk, causal
     for table in (plan.shared, plan.blocks):
         if table is None:
             continue
-        o_r = torch.zeros(t, hkv, g, d, dtype=torch.float32)  # rows outside every run: empty partials
-        lse_r = torch.full((t, hkv, g), float("-inf"), dtype=torch.float32)
-        rows_attention(kern, q4, k_pool_l, v_pool_l, table, scale, o_r, lse_r, ws)
-        merge_into(o, lse, o_r, lse_r)
+        o_r = ws.take("pf_run_o", (1, t, hkv, g, d), torch.float32, q.device).zero_()  # rows in no run: empty
+        lse_r = ws.take("pf_run_lse", (1, t, hkv, g), torch.float32, q.device).fill_(float("-inf"))
+        run_attention(kern, q4, k_pool_l, v_pool_l, table, scale, o_r, lse_r, ws, one_slot=True)
+        merge_into(o, lse, o_r[0], lse_r[0])
     return o.view(t, hq, d)

@@ -8,8 +8,8 @@
 // rows pre-transposed to Q^T [D, rows]; online softmax vectorised across rows (one max, one exp
 // per score); then O [rows, D] += P V by a 4-row x 2-vector tile. Only valid token slots are read.
 // Output, per run r: normalised o in slot r of [R, b, Hkv, g, D] and lse in [R, b, Hkv, g] (rows
-// [i, j) only; other rows of the slot are left untouched), or all in slot 0 for runs over disjoint rows
-// (`cs_run_attention_rows`). Splits are merged by log-sum-exp.
+// [i, j) only; other rows of the slot are left untouched), or with one_slot all in slot 0 (runs over
+// disjoint rows: a prefill step's tokens). Splits are merged by log-sum-exp.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -271,10 +271,18 @@ void run(const RunArgs& a, int nthreads) {
   }
 }
 
-int run_rows_impl(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
-                  const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
-                  int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
-                  int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t one_slot) {
+}  // namespace
+
+extern "C" {
+
+int cs_vector_width() { return kW; }
+
+// dtype: 0 fp32, 1 bf16, 2 fp16; one_slot: 1 writes every run into slot 0. Returns 0, or a negative code
+// for unsupported arguments.
+int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
+                     const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
+                     int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
+                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t one_slot) {
   if (d < 1 || d % kW != 0 || c < 1 || nsplit < 1 || g < 1) return -1;
   if (nsplit > 1 && (so == nullptr || slse == nullptr)) return -2;
   const RunArgs a{q, k, v, hs, cs, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so, slse, o, lse,
@@ -294,30 +302,6 @@ int run_rows_impl(const float* q, const void* k, const void* v, int64_t hs, int6
     case 2: three ? run<_Float16, 3>(a, nthreads) : run<_Float16, 2>(a, nthreads); return 0;
     default: return -3;
   }
-}
-
-}  // namespace
-
-extern "C" {
-
-int cs_vector_width() { return kW; }
-
-// dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or a negative code for unsupported arguments.
-int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
-                     const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
-                     int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
-                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads) {
-  return run_rows_impl(q, k, v, hs, cs, dtype, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so,
-                       slse, o, lse, nthreads, 0);
-}
-
-// The same over runs whose rows do not overlap: every run writes its rows of slot 0 (o [b, Hkv, g, D]).
-int cs_run_attention_rows(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
-                          const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
-                          int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
-                          int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads) {
-  return run_rows_impl(q, k, v, hs, cs, dtype, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so,
-                       slse, o, lse, nthreads, 1);
 }
 
 }  // extern "C"
