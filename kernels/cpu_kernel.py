@@ -21,7 +21,7 @@ import os
 import subprocess
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -102,7 +102,7 @@ class CpuDecodeKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        if lib.cs_abi_version() != 5:
+        if lib.cs_abi_version() != 6:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -194,6 +194,7 @@ class RunTable:
     max_rows: int         # largest j - i
     max_chunks: int       # largest P_r
     row_keys: int         # sum over runs of (j - i) * valid keys: the work, in row-key pairs
+    launch: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def build(runs: list[tuple[int, int]], chunk_lists: list[tuple[int, ...]],
@@ -214,13 +215,16 @@ class RunTable:
 
 def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor,
                   table: RunTable, scale: float, part_o: torch.Tensor, part_lse: torch.Tensor,
-                  ws: Workspace, one_slot: bool = False) -> None:
+                  ws: Workspace, one_slot: bool = False, accumulate: bool = False) -> None:
     """TPP phase 1 on the CPU: each run's stacked queries against its chunks, read in place.
 
     q4: [b, Hkv, g, D] fp32; pools: [Hkv, N, c, D]; part_o: [S >= R, b, Hkv, g, D] and part_lse:
     [S, b, Hkv, g] fp32 contiguous. Slot r receives run r's partial for its rows [i, j) only; with
-    ``one_slot`` (runs over disjoint rows) every run writes slot 0, so S may be 1.
+    ``one_slot`` (runs over disjoint rows) every run writes slot 0, so S may be 1; with ``accumulate`` (and
+    ``one_slot``) each row's partial is merged by log-sum-exp into the normalised (o, lse) in slot 0.
     """
+    if accumulate and not one_slot:
+        raise ValueError("accumulate needs one_slot: runs over disjoint rows")
     b, hkv, g, d = q4.shape
     c = k_pool_l.shape[2]
     n_runs = table.rows.shape[0]
@@ -239,24 +243,47 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
                     DTYPE_CODES[k_pool_l.dtype], table.rows.data_ptr(), table.cptr.data_ptr(),
                     table.chunks.data_ptr(), table.tokens.data_ptr(), n_runs, b, hkv, g, d, c, nsplit, mmax,
                     None if so is None else so.data_ptr(), None if slse is None else slse.data_ptr(),
-                    part_o.data_ptr(), part_lse.data_ptr(), threads, int(one_slot))
+                    part_o.data_ptr(), part_lse.data_ptr(), threads, int(one_slot) | 2 * int(accumulate))
     if rc != 0:
         raise RuntimeError(f"cs_run_attention failed with code {rc} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")
 
 
 def run_launch_params(table: RunTable, hkv: int, g: int, d: int, c: int) -> tuple[int, int, int]:
-    """(threads, splits per run, largest stacked rows) of a phase-1 call over ``table``."""
-    n_runs = table.rows.shape[0]
+    """(threads, splits per run, largest stacked rows) of a phase-1 call over ``table`` (memoised on it)."""
     threads = torch.get_num_threads()
+    key = (hkv, g, d, c, threads)
+    got = table.launch.get(key)
+    if got is None:
+        got = table.launch[key] = _launch_params(table, hkv, d, c, threads)
+    return got[0], got[1], table.max_rows * g
+
+
+def _launch_params(table: RunTable, hkv: int, d: int, c: int, threads: int) -> tuple[int, int]:
+    n_runs = table.rows.shape[0]
     if table.row_keys * hkv * d < SERIAL_ELEMENTS:
-        threads = 1
-    nsplit = 1  # split long runs when runs x heads alone cannot keep every thread busy
-    if n_runs * hkv < 4 * threads and table.max_chunks > 1:
-        want = -(-4 * threads // (n_runs * hkv))
-        nsplit = max(1, min(want, table.max_chunks // max(1, -(-MIN_SPLIT_TOKENS // c))))
-    return threads, nsplit, table.max_rows * g
-
-
+        return 1, 1
+    if n_runs * hkv >= 4 * threads or table.max_chunks <= 1:
+        return threads, 1
+    # split long runs when runs x heads alone cannot keep every thread busy: the fewest splits whose items,
+    # handed out in order to the first free thread (the kernel's dynamic schedule), finish soonest
+    cap = max(1, min(-(-4 * threads // (n_runs * hkv)), table.max_chunks // max(1, -(-MIN_SPLIT_TOKENS // c))))
+    rows = (table.rows[:, 1] - table.rows[:, 0]).tolist()
+    cptr, tokens = table.cptr.tolist(), table.tokens.tolist()
+    best, best_t = 1, float("inf")
+    for ns in range(1, cap + 1):
+        free = [0] * threads
+        for r, m in enumerate(rows):
+            toks = tokens[cptr[r]:cptr[r + 1]]
+            cps = -(-len(toks) // ns)
+            parts = [m * sum(toks[k:k + cps]) for k in range(0, len(toks), cps)]
+            for _h in range(hkv):
+                for w in parts:
+                    i = free.index(min(free))
+                    free[i] += w
+        t = max(free)
+        if t < 0.97 * best_t:  # a split must gain a few percent to pay for its merge
+            best, best_t = ns, t
+    return threads, best
 @functools.cache
 def load_cpu_kernel() -> CpuDecodeKernel | None:
     """The kernel for this process, built on first use; None when disabled or it cannot be built."""

@@ -13,7 +13,7 @@ kernels, and its keys split in three parts, each one call for the whole step:
 * **own chunk**: each token attends its own chunk up to its own position in the in-place decode kernel (the
   causal mask is the valid-token count).
 
-The three normalised partials merge per token by log-sum-exp. The plan (runs and tables) is built once per
+The kernel merges each run's partial into the token's (o, lse) by log-sum-exp as it writes it. The plan (runs and tables) is built once per
 step for all layers (`PrefillTables.cpu_plan`).
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from chunkserve.kernels.cpu_kernel import CpuDecodeKernel, RunTable, load_cpu_kernel, run_attention
-from chunkserve.kernels.torch_ops import Workspace, merge_into
+from chunkserve.kernels.torch_ops import Workspace
 
 RUN_TOKENS = 128  # a shared run's tokens go in pieces of this many (their query rows and accumulators stay in L2)
 
@@ -146,11 +146,8 @@ def chunk_first_prefill(kern: CpuDecodeKernel, q: torch.Tensor, k_pool_l: torch.
     o = torch.empty(t, hkv, g, d, dtype=torch.float32)
     lse = torch.empty(t, hkv, g, dtype=torch.float32)
     kern(q4, k_pool_l, v_pool_l, plan.own_table, plan.own_seen, scale, o, lse, ws)  # own chunk, causal
-    for table in (plan.shared, plan.blocks):
-        if table is None:
-            continue
-        o_r = ws.take("pf_run_o", (1, t, hkv, g, d), torch.float32, q.device).zero_()  # rows in no run: empty
-        lse_r = ws.take("pf_run_lse", (1, t, hkv, g), torch.float32, q.device).fill_(float("-inf"))
-        run_attention(kern, q4, k_pool_l, v_pool_l, table, scale, o_r, lse_r, ws, one_slot=True)
-        merge_into(o, lse, o_r[0], lse_r[0])
+    for table in (plan.shared, plan.blocks):  # each run's partial merged into (o, lse) by the kernel
+        if table is not None:
+            run_attention(kern, q4, k_pool_l, v_pool_l, table, scale, o.unsqueeze(0), lse.unsqueeze(0), ws,
+                          one_slot=True, accumulate=True)
     return o.view(t, hq, d)

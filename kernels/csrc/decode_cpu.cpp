@@ -294,7 +294,7 @@ struct CsLayerPlan {
 int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
                      const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
                      int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
-                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t one_slot);
+                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t flags);
 
 // q: [b, hkv*g, d] rows of stride ldq; k, v: [>= rows, hkv, d] rows of stride ldk / ldv (head stride d);
 // pools [hkv, N, c, d]; out: [b, hkv*g, d] contiguous in act_dtype. Writes first, so a row sees its own key.
@@ -350,7 +350,7 @@ int cs_decode_layer(const CsLayerPlan* p, const void* q, int64_t ldq, const void
   return 0;
 }
 
-int cs_abi_version() { return 5; }
+int cs_abi_version() { return 6; }
 
 // dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or a negative code for unsupported shapes.
 int cs_decode_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,

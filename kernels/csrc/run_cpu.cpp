@@ -8,8 +8,10 @@
 // rows pre-transposed to Q^T [D, rows]; online softmax vectorised across rows (one max, one exp
 // per score); then O [rows, D] += P V by a 4-row x 2-vector tile. Only valid token slots are read.
 // Output, per run r: normalised o in slot r of [R, b, Hkv, g, D] and lse in [R, b, Hkv, g] (rows
-// [i, j) only; other rows of the slot are left untouched), or with one_slot all in slot 0 (runs over
-// disjoint rows: a prefill step's tokens). Splits are merged by log-sum-exp.
+// [i, j) only; other rows of the slot are left untouched), or with kOneSlot all in slot 0 (runs over
+// disjoint rows: a prefill step's tokens). With kAccumulate (one slot only) a row's partial is merged by
+// log-sum-exp into the normalised (o, lse) already there instead of overwriting it, so a caller that holds
+// another partial of the same rows needs no scratch and no separate merge. Splits are merged likewise.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,10 +41,36 @@ struct RunArgs {
   float* slse;             // [R, hkv, nsplit, mmax]
   float* o;                // [R, b, hkv, g, d]
   float* lse;              // [R, b, hkv, g]
-  int64_t one_slot;        // 1: every run writes slot 0 (their rows are disjoint)
+  int64_t flags;           // kOneSlot | kAccumulate
 };
 
-inline int64_t oslot(const RunArgs& a, int64_t r) { return a.one_slot ? 0 : r; }
+constexpr int64_t kOneSlot = 1;     // every run writes slot 0 (their rows are disjoint)
+constexpr int64_t kAccumulate = 2;  // merge into (o, lse) of slot 0 instead of overwriting them
+
+inline int64_t oslot(const RunArgs& a, int64_t r) { return (a.flags & kOneSlot) ? 0 : r; }
+
+// Write the normalised partial (acc / l, m + log l) of one query row, or merge it into the row's (o, lse).
+inline void put_row(const RunArgs& a, const float* acc, float m, float l, float* od, float* ld) {
+  const int64_t d = a.d;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const float lse = l > 0.f ? m + std::log(l) : ninf;
+  if (!(a.flags & kAccumulate)) {
+    if (l > 0.f) {
+      const float inv = 1.f / l;
+      for (int64_t j = 0; j < d; ++j) od[j] = acc[j] * inv;
+    } else {
+      std::memset(od, 0, sizeof(float) * d);
+    }
+    *ld = lse;
+    return;
+  }
+  if (lse == ninf) return;  // nothing to add
+  const float old = *ld, mx = std::max(old, lse);
+  const float w_old = old == ninf ? 0.f : std::exp(old - mx), w_new = std::exp(lse - mx), tot = w_old + w_new;
+  const float a_old = w_old / tot, a_new = w_new / (tot * l);
+  for (int64_t j = 0; j < d; ++j) od[j] = od[j] * a_old + acc[j] * a_new;
+  *ld = mx + std::log(tot);
+}
 
 struct Scratch {
   std::vector<float> qt, acc, m, l, st, kf, vf_;
@@ -209,7 +237,9 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
     const int64_t slot = ((r * a.hkv + h) * a.nsplit + s) * a.mmax + x;
     float* od = direct ? a.o + (oslot(a, r) * a.b * a.hkv * a.g) * d + (qrow(a, i, h, x) - a.q) : a.so + slot * d;
     float* ld = direct ? a.lse + oslot(a, r) * a.b * a.hkv * a.g + (qrow(a, i, h, x) - a.q) / d : a.slse + slot;
-    if (l[x] > 0.f) {
+    if (direct) {
+      put_row(a, acc + x * d, m[x], l[x], od, ld);
+    } else if (l[x] > 0.f) {
       const float inv = 1.f / l[x];
       for (int64_t j = 0; j < d; ++j) od[j] = acc[x * d + j] * inv;
       *ld = m[x] + std::log(l[x]);
@@ -220,7 +250,7 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
   }
 }
 
-void merge(const RunArgs& a, int64_t r, int64_t h) {
+void merge(const RunArgs& a, int64_t r, int64_t h, float* sum) {
   const int64_t d = a.d, i = a.rows[2 * r], M = (a.rows[2 * r + 1] - i) * a.g, S = a.nsplit;
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t x = 0; x < M; ++x) {
@@ -229,18 +259,16 @@ void merge(const RunArgs& a, int64_t r, int64_t h) {
     float* ld = a.lse + oslot(a, r) * a.b * a.hkv * a.g + off / d;
     float mx = ninf;
     for (int64_t s = 0; s < S; ++s) mx = std::max(mx, a.slse[((r * a.hkv + h) * S + s) * a.mmax + x]);
-    std::memset(od, 0, sizeof(float) * d);
-    if (mx == ninf) { *ld = ninf; continue; }
-    float tot = 0.f;
-    for (int64_t s = 0; s < S; ++s) {
+    std::memset(sum, 0, sizeof(float) * d);
+    float tot = 0.f;  // sum / tot with lse mx + log(tot): the splits' partial, merged like a split's accumulator
+    for (int64_t s = 0; s < S && mx != ninf; ++s) {
       const int64_t slot = ((r * a.hkv + h) * S + s) * a.mmax + x;
       if (a.slse[slot] == ninf) continue;
       const float wgt = std::exp(a.slse[slot] - mx);
       tot += wgt;
-      for (int64_t j = 0; j < d; ++j) od[j] += wgt * a.so[slot * d + j];
+      for (int64_t j = 0; j < d; ++j) sum[j] += wgt * a.so[slot * d + j];
     }
-    for (int64_t j = 0; j < d; ++j) od[j] /= tot;
-    *ld = mx + std::log(tot);
+    put_row(a, sum, mx, tot, od, ld);
   }
 }
 
@@ -266,7 +294,7 @@ void run(const RunArgs& a, int nthreads) {
       run_item<T, NV>(a, it / (a.hkv * a.nsplit), (it / a.nsplit) % a.hkv, it % a.nsplit, w);
     if (a.nsplit > 1) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t rh = 0; rh < a.R * a.hkv; ++rh) merge(a, rh / a.hkv, rh % a.hkv);
+      for (int64_t rh = 0; rh < a.R * a.hkv; ++rh) merge(a, rh / a.hkv, rh % a.hkv, w.acc.data());
     }
   }
 }
@@ -277,16 +305,17 @@ extern "C" {
 
 int cs_vector_width() { return kW; }
 
-// dtype: 0 fp32, 1 bf16, 2 fp16; one_slot: 1 writes every run into slot 0. Returns 0, or a negative code
-// for unsupported arguments.
+// dtype: 0 fp32, 1 bf16, 2 fp16; flags: kOneSlot (1) writes every run into slot 0, kAccumulate (2, with
+// kOneSlot) merges into the (o, lse) there. Returns 0, or a negative code for unsupported arguments.
 int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
                      const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
                      int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
-                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t one_slot) {
+                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t flags) {
   if (d < 1 || d % kW != 0 || c < 1 || nsplit < 1 || g < 1) return -1;
+  if ((flags & kAccumulate) && !(flags & kOneSlot)) return -4;
   if (nsplit > 1 && (so == nullptr || slse == nullptr)) return -2;
   const RunArgs a{q, k, v, hs, cs, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so, slse, o, lse,
-                  one_slot};
+                  flags};
   if (nthreads < 1) nthreads = 1;
   // row blocks of 3 vectors (the better tile) unless 2 pad the runs' rows less
   int64_t pad2 = 0, pad3 = 0;

@@ -70,9 +70,10 @@ def test_nested_runs_match_float64_references_and_leave_other_rows_alone(check, 
     assert (part_o[3] == 7.0).all()  # a slot past the runs is never written
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_one_long_run_with_few_heads_is_split_and_merged_exactly(check, threads):
+@pytest.mark.parametrize("threads", [2, 4])
+def test_one_long_run_with_few_heads_is_split_and_merged_exactly(check, threads, monkeypatch):
     """Runs x heads < 4 threads: the run's chunks are split into ranges merged by log-sum-exp."""
+    monkeypatch.setattr(cpu_kernel, "SERIAL_ELEMENTS", 0)  # a call this small would run on one thread, unsplit
     gen = torch.Generator().manual_seed(3)
     b, hkv, g, d, c = 4, 1, 3, 64, 16
     k_pool, v_pool = _pools(gen, hkv, 80, c, d, torch.float32)
@@ -103,3 +104,76 @@ def test_head_dim_that_is_not_a_multiple_of_the_vector_width_is_not_offered_to_t
     q = torch.zeros(2, 1, 1, d)
     pool = torch.zeros(1, 4, 16, d)
     assert kern.supports(q, pool) and not kern.supports_runs(q, pool)
+
+
+@pytest.mark.parametrize("threads,split", [(1, False), (2, False), (2, True), (4, True)])
+def test_accumulate_merges_each_runs_partial_into_the_rows_existing_partial(check, threads, split, monkeypatch):
+    """With ``accumulate`` the kernel merges by log-sum-exp into (o, lse) instead of overwriting: rows that
+    already hold another key set's partial end with attention over both key sets, rows in no run keep theirs,
+    and a row that held nothing (lse -inf) gets the run's partial alone; split runs merge the same way."""
+    if split:
+        monkeypatch.setattr(cpu_kernel, "SERIAL_ELEMENTS", 0)  # so that a call this small runs on threads
+    gen = torch.Generator().manual_seed(11 + split)
+    b, hkv, g, d, c = 6, 1 if split else 2, 3, 64, 16
+    k_pool, v_pool = _pools(gen, hkv, 80, c, d, torch.float32)
+    perm = torch.randperm(80, generator=gen).tolist()
+    n_run = 40 if split else 5  # a long run on one head is split (runs x heads < 4 threads)
+    runs = [(0, 2), (2, 5)]  # disjoint rows; row 5 is in no run
+    chunk_lists = [tuple(perm[:n_run]), tuple(perm[n_run:n_run + 3])]
+    token_lists = [(c,) * (n_run - 1) + (5,), (c, c, 11)]
+    other = perm[n_run + 3:n_run + 5]  # the key set of the partial already held
+    for cl, tl in zip(chunk_lists, token_lists, strict=True):
+        _fill(gen, k_pool, v_pool, list(cl), list(tl))
+    _fill(gen, k_pool, v_pool, other, [c, 9])
+    q = torch.randn(b, hkv, g, d, generator=gen)
+
+    def keys_of(chs, tks):
+        return (torch.cat([k_pool[:, ch, :nt] for ch, nt in zip(chs, tks, strict=True)], 1),
+                torch.cat([v_pool[:, ch, :nt] for ch, nt in zip(chs, tks, strict=True)], 1))
+
+    ko, vo = keys_of(other, [c, 9])
+    o = torch.empty(1, b, hkv, g, d)
+    lse = torch.empty(1, b, hkv, g)
+    for h in range(hkv):  # every row holds attention over `other`, except row 0 (nothing yet)
+        qh = q[:, h].reshape(-1, d)
+        o[0, :, h] = sdpa_reference(qh, ko[h:h + 1], vo[h:h + 1], d**-0.5).reshape(b, g, d).float()
+        lse[0, :, h] = torch.logsumexp((qh.double() @ ko[h].double().T) * d**-0.5, -1).reshape(b, g).float()
+    o[0, 0], lse[0, 0] = 0.0, float("-inf")
+    held_o, held_lse = o[0, 5].clone(), lse[0, 5].clone()
+    table = RunTable.build(runs, chunk_lists, token_lists)
+    ws = Workspace()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        run_attention(cpu_kernel.load_cpu_kernel(), q, k_pool, v_pool, table, d**-0.5, o, lse, ws,
+                      one_slot=True, accumulate=True)
+    finally:
+        torch.set_num_threads(old)
+    assert ("cpuk_run_so" in ws._bufs) == split
+    for (i, j), cl, tl in zip(runs, chunk_lists, token_lists, strict=True):
+        kr, vr = keys_of(cl, tl)
+        for r in range(i, j):
+            keys, vals = (kr, vr) if r == 0 else (torch.cat([kr, ko], 1), torch.cat([vr, vo], 1))
+            for h in range(hkv):
+                ref = sdpa_reference(q[r, h], keys[h:h + 1], vals[h:h + 1], d**-0.5)
+                assert check.rel_err(o[0, r, h], ref) < 1e-5, (r, h)
+                want = torch.logsumexp((q[r, h].double() @ keys[h].double().T) * d**-0.5, -1)
+                assert torch.allclose(lse[0, r, h].double(), want, atol=1e-4), (r, h)
+    assert torch.equal(o[0, 5], held_o) and torch.equal(lse[0, 5], held_lse)
+
+
+def test_accumulate_without_one_slot_is_refused():
+    table = RunTable.build([(0, 1)], [(0,)], [(4,)])
+    pool = torch.zeros(1, 2, 16, 64)
+    with pytest.raises(ValueError, match="one_slot"):
+        run_attention(cpu_kernel.load_cpu_kernel(), torch.zeros(1, 1, 1, 64), pool, pool, table, 0.125,
+                      torch.zeros(1, 1, 1, 1, 64), torch.zeros(1, 1, 1, 1), Workspace(), accumulate=True)
+
+
+def test_a_long_run_is_split_so_that_its_items_fill_every_thread_evenly(monkeypatch):
+    """One run on 3 KV heads over 16 chunks on 2 threads: 2 splits (6 items, 3 rounds of half a run) rather
+    than 3 (9 items, 5 rounds of a third) or none (3 items, 2 rounds of a whole run)."""
+    table = RunTable.build([(0, 16)], [tuple(range(16))], [(64,) * 16])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    threads, nsplit, _ = cpu_kernel.run_launch_params(table, 3, 3, 64, 64)
+    assert (threads, nsplit) == (2, 2)
