@@ -50,17 +50,12 @@ class ChunkPool:
             return []
         if n > self.num_free:
             raise KVCacheFull(f"need {n} free chunks, have {self.num_free}")
-        free_ids = np.flatnonzero(self._free)
-        ids: np.ndarray | None = None
-        if n > 1:
-            # first run of n consecutive free ids: positions where ids[k + n - 1] - ids[k] == n - 1
-            gaps = free_ids[n - 1:] - free_ids[: len(free_ids) - n + 1]
-            hits = np.flatnonzero(gaps == n - 1)
-            if len(hits):
-                start = int(hits[0])
-                ids = free_ids[start:start + n]
-        if ids is None:
-            ids = free_ids[:n]
+        free = self._free
+        if n == 1:
+            start = int(free.argmax())  # the first free id (n <= num_free: there is one)
+        else:  # the first run of n consecutive free ids (a byte search, not a scan of every free id)
+            start = free.tobytes().find(b"\x01" * n)
+        ids = np.arange(start, start + n) if start >= 0 else np.flatnonzero(free)[:n]
         self._free[ids] = False
         self.num_free -= n
         return ids.tolist()

@@ -238,3 +238,20 @@ def test_match_chunks_counts_whole_matching_chunks_and_never_more_than_match() -
     assert cache.match_chunks(diverging) == 32
     assert cache.match(diverging.tolist()) == 40  # match also reuses the chunk's head
     assert cache.match_chunks(arr, b"other tenant") == 0
+
+
+def test_pool_alloc_takes_the_first_run_of_consecutive_free_chunks_else_the_first_free_ones() -> None:
+    from chunkserve.workers.chunk_pool import ChunkPool, KVCacheFull
+
+    pool = ChunkPool(1, 1, 8, 4, 15, torch.float32, "cpu")
+    assert pool.alloc(3) == [0, 1, 2]
+    assert pool.alloc(1) == [3]
+    pool.free([1, 2])
+    assert pool.alloc(1) == [1]  # the lowest free id
+    assert pool.alloc(4) == [4, 5, 6, 7]  # [2] alone is too short for a run of 4
+    taken = pool.alloc(8)  # free: 2 and 8..14, no run of 8, so the first 8 free ids
+    assert taken == [2, 8, 9, 10, 11, 12, 13, 14] and pool.num_free == 0
+    with pytest.raises(KVCacheFull):
+        pool.alloc(2)
+    pool.free([9, 11, 12])
+    assert pool.alloc(2) == [11, 12] and pool.num_free == 1
