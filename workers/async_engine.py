@@ -47,6 +47,7 @@ from chunkserve.workers.streaming import StreamBatching, coalesce
 from chunkserve.workers.tree_summary import ForestUsage, summarize_forest
 
 logger = logging.getLogger(__name__)
+SNAPSHOT_WAIT_S = 2.0  # `cached_hashes` waits this long for the engine thread (a step), then answers stale
 LEND_MAX_STEP_S = 0.05  # lent threads only after a step shorter than this (and never for the first after idle)
 
 _Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
@@ -63,8 +64,8 @@ class AsyncEngine:
         self.core = core or EngineCore(config)
         self._cores = cores
         self.step_threads = torch.get_num_threads()  # the threads of the last step (the engine thread's)
-        # Cached chain hashes, as an immutable tuple that the engine thread replaces after each step that
-        # changed the cache: other threads read this snapshot, never the live tree.
+        # Cached chain hashes, as an immutable tuple the engine thread takes when a reader asks for it (between
+        # steps): other threads read this snapshot, never the live tree, and no step pays for one nobody reads.
         self._hash_depth = hash_snapshot_depth
         self._hashes: tuple[int, ...] = ()
         if hash_snapshot_depth is not None:
@@ -141,9 +142,26 @@ class AsyncEngine:
         self._post("call", (lambda: summarize_forest(self.core.cache, self.forest_usage, top_n, max_runs), fut))
         return await asyncio.wrap_future(fut)
 
-    def cached_hashes(self) -> tuple[int, ...]:
-        """The chunk hashes the cache held after the engine's last step that changed it (a snapshot the engine
-        thread published; any thread may read it)."""
+    def cached_hashes(self, timeout_s: float = SNAPSHOT_WAIT_S) -> tuple[int, ...]:
+        """The chunk hashes the cache holds, taken by the engine thread between two steps. Blocks the caller
+        until then (one step at most); after ``timeout_s``, or when the engine thread has stopped, the last
+        snapshot taken. For plain threads (the cluster publisher's heartbeat), never an event loop's."""
+        depth = self._hash_depth
+        if depth is None:
+            return self._hashes
+        if threading.current_thread() is self._thread:
+            return self._take_hashes(depth)
+        if not self._thread.is_alive() or self._stop.is_set():
+            return self._hashes
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._post("call", (lambda: self._take_hashes(depth), fut))
+        try:
+            return fut.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            return self._hashes
+
+    def _take_hashes(self, depth: int) -> tuple[int, ...]:
+        self._hashes = tuple(self.core.cache.cached_hashes(depth))
         return self._hashes
 
     def drain_cache_events(self) -> list:
@@ -270,11 +288,8 @@ class AsyncEngine:
                     failed.append((req.request_id, EngineStepError(f"engine step failed: {e}")))
                 self._deliver(failed)
                 continue
-            events = core.cache.drain_events()
-            for ev in events:
+            for ev in core.cache.drain_events():
                 self._events.put(ev)
-            if events and self._hash_depth is not None:
-                self._hashes = tuple(core.cache.cached_hashes(self._hash_depth))
             now = time.monotonic()
             last_step_s = now - started
             deltas = []
