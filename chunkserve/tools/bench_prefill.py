@@ -30,7 +30,7 @@ CASES = [(1024, 16, 1), (1024, 64, 1), (1024, 512, 1), (4096, 64, 1), (0, 1024, 
 
 
 def one_case(hq: int, hkv: int, d: int, cached: int, new: int, c: int, dtype: torch.dtype, repeats: int,
-             gen: torch.Generator, rows: int = 1) -> dict[str, float]:
+             gen: torch.Generator, rows: int = 1) -> dict[str, float | str]:
     """Time both methods on one shape; returns medians in ms and the max abs difference."""
     length = cached + new
     p_cached = cached // c  # full chunks of the prefix; a partly filled last one goes with the new tokens
