@@ -55,7 +55,6 @@ def _cpu_signature() -> str:
 
 def _compiler() -> str | None:
     return env.cxx_compiler()
-    return None
 
 
 def build_extension(stem: str, sources: Sequence[Path], force: bool = False) -> Path:
