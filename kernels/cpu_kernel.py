@@ -283,6 +283,8 @@ def _launch_params(table: RunTable, hkv: int, d: int, c: int, threads: int) -> t
         if t < 0.97 * best_t:  # a split must gain a few percent to pay for its merge
             best, best_t = ns, t
     return threads, best
+
+
 @functools.cache
 def load_cpu_kernel() -> CpuDecodeKernel | None:
     """The kernel for this process, built on first use; None when disabled or it cannot be built."""

@@ -13,8 +13,8 @@ kernels, and its keys split in three parts, each one call for the whole step:
 * **own chunk**: each token attends its own chunk up to its own position in the in-place decode kernel (the
   causal mask is the valid-token count).
 
-The kernel merges each run's partial into the token's (o, lse) by log-sum-exp as it writes it. The plan (runs and tables) is built once per
-step for all layers (`PrefillTables.cpu_plan`).
+The kernel merges each run's partial into the token's (o, lse) by log-sum-exp as it writes it. The plan (runs
+and tables) is built once per step for all layers (`PrefillTables.cpu_plan`).
 """
 
 from __future__ import annotations

@@ -65,8 +65,15 @@ inline void put_row(const RunArgs& a, const float* acc, float m, float l, float*
     return;
   }
   if (lse == ninf) return;  // nothing to add
-  const float old = *ld, mx = std::max(old, lse);
-  const float w_old = old == ninf ? 0.f : std::exp(old - mx), w_new = std::exp(lse - mx), tot = w_old + w_new;
+  const float old = *ld;
+  if (old == ninf) {  // the row held nothing (its o may be anything): the run's partial alone
+    const float inv = 1.f / l;
+    for (int64_t j = 0; j < d; ++j) od[j] = acc[j] * inv;
+    *ld = lse;
+    return;
+  }
+  const float mx = std::max(old, lse);
+  const float w_old = std::exp(old - mx), w_new = std::exp(lse - mx), tot = w_old + w_new;
   const float a_old = w_old / tot, a_new = w_new / (tot * l);
   for (int64_t j = 0; j < d; ++j) od[j] = od[j] * a_old + acc[j] * a_new;
   *ld = mx + std::log(tot);

@@ -138,7 +138,7 @@ def test_accumulate_merges_each_runs_partial_into_the_rows_existing_partial(chec
         qh = q[:, h].reshape(-1, d)
         o[0, :, h] = sdpa_reference(qh, ko[h:h + 1], vo[h:h + 1], d**-0.5).reshape(b, g, d).float()
         lse[0, :, h] = torch.logsumexp((qh.double() @ ko[h].double().T) * d**-0.5, -1).reshape(b, g).float()
-    o[0, 0], lse[0, 0] = 0.0, float("-inf")
+    o[0, 0], lse[0, 0] = float("nan"), float("-inf")  # a row that holds nothing: its o is never read
     held_o, held_lse = o[0, 5].clone(), lse[0, 5].clone()
     table = RunTable.build(runs, chunk_lists, token_lists)
     ws = Workspace()
