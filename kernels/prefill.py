@@ -59,6 +59,14 @@ class PrefillTables:
             self.__dict__[key] = plan  # a per-step memo on a frozen instance, as functools.cached_property does
         return plan
 
+    @classmethod
+    def from_host(cls, table: np.ndarray, tokens: np.ndarray, starts: list[int], cu: list[int],
+                  device: torch.device | str = "cpu") -> PrefillTables:
+        """Checked tables of one step from host arrays, their device copies made here (one copy each; the
+        engine packs them into its step's single transfer instead)."""
+        arrays = cls.host_arrays(table, tokens, starts, cu)
+        return cls(table, tokens, starts, cu, **{k: torch.from_numpy(a).to(device) for k, a in arrays.items()})
+
     @staticmethod
     def host_arrays(table: np.ndarray, tokens: np.ndarray, starts: list[int], cu: list[int]
                     ) -> dict[str, np.ndarray]:
@@ -124,23 +132,18 @@ def _segments(ids: list[int], toks: list[int], c: int, length: int) -> list[tupl
 
 def prefill_torch(
     q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, tables: list[list[int]],
-    tokens: list[list[int]], starts: list[int], cu: list[int], scale: float, prefix_runs: bool = True,
+    tokens: list[list[int]], starts: list[int], cu: list[int], scale: float,
 ) -> torch.Tensor:
     """Loop over rows; each row reads its keys in place (one view per run of consecutive chunks).
 
     The g query heads of a KV head are packed into the query rows (``[1, Hkv, g*n_b, D]``), so
     each key is read once per KV head; pieces are merged by online softmax. A row with nothing
-    cached and one piece is one plain causal call. With ``prefix_runs`` and the CPU kernels, the step goes
-    chunk-first instead (`prefill_runs.py`: shared cached chunks once per run of rows; `prefill_step` builds
-    that plan once for every layer of a step, this convenience form builds it per call).
+    cached and one piece is one plain causal call. Where the CPU kernels are built, `prefill_step` goes
+    chunk-first instead (`prefill_runs.py`); this loop serves the other cases and is its reference.
     """
     hkv, _n, c, d = k_pool_l.shape
     hq = q.shape[1]
     g = hq // hkv
-    kern = run_kernel(q, k_pool_l) if prefix_runs else None
-    if kern is not None:  # chunk-first: the whole step in three kernel calls (`prefill_runs.py`)
-        plan = CpuPrefillPlan.build(tables, tokens, starts, cu, c)
-        return chunk_first_prefill(kern, q, k_pool_l, v_pool_l, plan, scale).to(q.dtype)
     out = torch.empty_like(q)
     for b in range(len(starts)):
         n_b = cu[b + 1] - cu[b]
@@ -244,10 +247,7 @@ def prefill_attention(
     tokens_h = block_tokens.cpu().numpy()
     if len(cu) != len(starts) + 1 or (cu and cu[-1] != q.shape[0]):
         raise ValueError(f"cu_q must be {len(starts) + 1} non-decreasing offsets from 0 to {q.shape[0]}")
-    arrays = PrefillTables.host_arrays(table_h, tokens_h, starts, cu)
-    dev = k_pool_l.device
-    tables = PrefillTables(table_h, tokens_h, starts, cu,
-                           **{k: torch.from_numpy(a).to(dev) for k, a in arrays.items()})
+    tables = PrefillTables.from_host(table_h, tokens_h, starts, cu, k_pool_l.device)
     return prefill_step(q, k_pool_l, v_pool_l, tables, scale, backend)
 
 
@@ -271,5 +271,4 @@ def prefill_step(q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor
     if kern is not None:  # chunk-first over the step's plan, built once for all layers
         plan = tables.cpu_plan(k_pool_l.shape[2])
         return chunk_first_prefill(kern, q, k_pool_l, v_pool_l, plan, float(scale)).to(q.dtype)
-    return prefill_torch(q, k_pool_l, v_pool_l, *tables.lists, tables.starts, tables.cu, float(scale),
-                         prefix_runs=False)
+    return prefill_torch(q, k_pool_l, v_pool_l, *tables.lists, tables.starts, tables.cu, float(scale))

@@ -6,9 +6,9 @@ in the chunk pool (the shared prefix in one run of chunks, each row's new tokens
 lays them out); the baseline is one batched ``scaled_dot_product_attention`` over K/V already contiguous
 per row (``[rows, Hkv, cached + new, D]``, built outside the timed region), the faster of two masks: a
 boolean offset-causal one and torch's ``causal_lower_right`` bias (with nothing cached that is plain
-``is_causal``, which skips the masked blocks): what a system without a chunked, shared cache pays. Both are timed per layer: chunkserve's step tables
-are built once per step for every layer (as the engine does; their cost is printed beside, per step), the
-baseline's mask and contiguous K/V outside the timed region. Medians over interleaved repeats.
+``is_causal``, which skips the masked blocks): what a system without a chunked, shared cache pays. Both
+are timed per layer: chunkserve's step tables are built once per step for every layer (as the engine does;
+their cost is printed beside, per step), the baseline's mask and contiguous K/V outside the timed region. Medians over interleaved repeats.
 """
 
 from __future__ import annotations
@@ -57,9 +57,7 @@ def one_case(hq: int, hkv: int, d: int, cached: int, new: int, c: int, dtype: to
     starts = [cached] * rows
 
     def step_tables() -> PrefillTables:  # once per step, for every layer
-        t_h, k_h = table.numpy(), tokens.numpy()
-        arrays = PrefillTables.host_arrays(t_h, k_h, starts, cu)
-        tabs = PrefillTables(t_h, k_h, starts, cu, **{k: torch.from_numpy(a) for k, a in arrays.items()})
+        tabs = PrefillTables.from_host(table.numpy(), tokens.numpy(), starts, cu)
         tabs.cpu_plan(c)
         return tabs
 

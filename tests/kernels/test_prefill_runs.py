@@ -71,7 +71,7 @@ def test_prefill_over_shared_cached_chunks_equals_the_row_by_row_path_and_the_re
     kvs = [tuple(x[0].transpose(0, 1) for x in tree.kv(tree.tokens[s])) for s in ids]
     ref = reference(q, kvs, starts, cu, 0.125)
     chunked = prefill_attention(q, *pools, table, tokens, starts, cu, 0.125, backend="torch")
-    rowwise = prefill_torch(q, *pools, table.tolist(), tokens.tolist(), starts, cu, 0.125, prefix_runs=False)
+    rowwise = prefill_torch(q, *pools, table.tolist(), tokens.tolist(), starts, cu, 0.125)
     assert torch.isfinite(chunked).all()
     assert check.rel_err(chunked, ref) < check.tol[dtype]
     assert check.rel_err(chunked, rowwise) < check.tol[dtype]
