@@ -1,12 +1,11 @@
 """`chunkserve bench e2e`: the paper's end-to-end table on this machine, systems side by side.
 
 Workload: b concurrent requests of n_p prompt tokens whose first n_s tokens are shared, each
-generating n_c tokens (greedy, EOS ignored), plus a Poisson-arrival variant. Systems, in one run
-and in the same dtype and torch thread count: chunkserve with TPP and prefix sharing; chunkserve
-with sharing off (paged attention reading every chunk in place, no prefix reuse: vLLM without
-prefix caching); Hugging Face transformers' batched `generate` (one padding-free batch) with its
-`StaticCache` (preallocated, written in place) and with its default `DynamicCache`. Ratios
-against HF use the faster of the two.
+generating n_c tokens (greedy, EOS ignored), plus a Poisson-arrival variant. Systems, in one run and in
+the same dtype and torch thread count: chunkserve with TPP and prefix sharing; chunkserve with sharing
+off (paged attention reading every chunk in place, no prefix reuse: vLLM without prefix caching);
+Hugging Face transformers' batched `generate` (one padding-free batch) with its `StaticCache` and with
+its default `DynamicCache`, its linear weights prepacked for oneDNN as ours are. Ratios use the faster.
 
 Measured per system: decode latency (ms per step of the running batch, i.e. per output token of a
 request) and decode tokens/s over pure decode steps only (steps that also ran prefill tokens are
@@ -29,17 +28,12 @@ from typing import Any
 
 import torch
 
+from chunkserve.tools.bench_util import make_prompts, prepack_hf_linears
 from chunkserve.workers.engine import EngineConfig, EngineCore
 from chunkserve.workers.sampling import SamplingParams
 from chunkserve.workers.weights import LoadedModel, embedded_checkpoint_dir, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def make_prompts(b: int, n_p: int, n_s: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(100, vocab) for _ in range(n_s)]
-    return [shared + [rng.randrange(100, vocab) for _ in range(n_p - n_s)] for _ in range(b)]
 
 
 def engine_config(loaded: LoadedModel, prompts: list[list[int]], n_c: int, share: bool, chunk: int,
@@ -118,13 +112,13 @@ class _StepClock:
 def run_hf(prompts: list[list[int]], n_c: int, dtype: torch.dtype, static: bool = False) -> dict[str, Any]:
     """One batched greedy `generate` in ``dtype``; TTFT and per-step times from the same call.
 
-    static: HF's `StaticCache` (K/V preallocated for prompt + n_c tokens and written in place: the
-    best HF setup on a CPU; torch.compile is not applied there) instead of the default
-    `DynamicCache`, which concatenates every layer's K/V on every step.
+    static: HF's `StaticCache` (K/V preallocated for prompt + n_c tokens and written in place) instead of
+    the default `DynamicCache`, which concatenates every layer's K/V on every step.
     """
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
     model = AutoModelForCausalLM.from_pretrained(embedded_checkpoint_dir(), dtype=dtype).eval()
+    prepack_hf_linears(model, len(prompts))  # set up as well as ours (`bench_util.prepack_hf_linears`)
     ids = torch.tensor(prompts)
     clock = _StepClock()
     cache_kw: dict[str, Any] = {"cache_implementation": "static"} if static else {}
@@ -179,12 +173,14 @@ def ttft_cached_vs_uncached(loaded: LoadedModel, n_p: int, chunk: int, threads: 
 
 class HFStaticStepper:
     """HF's model driven step by step over a `StaticCache` (what `generate` does per step, minus its
-    bookkeeping): prefill the whole batch, then one greedy decode step per call."""
+    bookkeeping): prefill the whole batch, then one greedy decode step per call. Its linear weights are
+    prepacked for oneDNN as ours are (`prepack_hf_linears`)."""
 
     def __init__(self, prompts: list[list[int]], n_c: int, dtype: torch.dtype) -> None:
         from transformers import AutoModelForCausalLM, StaticCache
 
         self.model = AutoModelForCausalLM.from_pretrained(embedded_checkpoint_dir(), dtype=dtype).eval()
+        self.packed = prepack_hf_linears(self.model, len(prompts))
         ids = torch.tensor(prompts)  # [b, n_p]
         cache = StaticCache(config=self.model.config, max_cache_len=ids.shape[1] + n_c + 1)
         # transformers >= 5.x names the argument `cache`; earlier releases `past_key_values`

@@ -4,10 +4,12 @@ rates (copy bandwidth, matmul rate) measured in the same process, and the bytes 
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -129,3 +131,31 @@ def roofline_s(bytes_read: int, flops: float, machine: Machine) -> float:
     """Lower bound on time: the slower of moving the bytes at the measured copy bandwidth (bytes
     read + written per second by a large copy) and doing the flops at the measured matmul rate."""
     return max(bytes_read / machine.copy_bw, flops / machine.matmul_flops)
+
+
+def prepack_hf_linears(model: torch.nn.Module, batch_hint: int) -> int:
+    """Reorder every ``nn.Linear`` weight of a Hugging Face model into oneDNN's blocked layout once and run it
+    through the packed linear chunkserve's engine uses (what ``ipex.optimize`` or a frozen ``torch.compile``
+    would do), so that the HF baseline's matmuls are set up as well as ours. Returns how many were packed
+    (0 where this torch cannot pack the model's dtype on its device)."""
+    from chunkserve.workers.linear import onednn_packing_available, pack_weight, packed_linear
+
+    n = 0
+    for mod in model.modules():
+        if not isinstance(mod, torch.nn.Linear) or not onednn_packing_available(mod.weight.dtype, mod.weight.device):
+            continue
+        fn = packed_linear(pack_weight(mod.weight.detach(), batch_hint), mod.bias)
+
+        def forward(x: torch.Tensor, fn: Any = fn) -> torch.Tensor:  # x: [..., K] -> [..., N]
+            return fn(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+        mod.forward = forward  # type: ignore[method-assign, assignment]
+        n += 1
+    return n
+
+
+def make_prompts(b: int, n_p: int, n_s: int, vocab: int, seed: int) -> list[list[int]]:
+    """b prompts of n_p random token ids whose first n_s are the same in all of them."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(100, vocab) for _ in range(n_s)]
+    return [shared + [rng.randrange(100, vocab) for _ in range(n_p - n_s)] for _ in range(b)]
