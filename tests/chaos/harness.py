@@ -104,6 +104,7 @@ class StreamLoad:
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _open: dict[int, float] = field(default_factory=dict)  # client -> monotonic start of its unfinished request
 
     def body(self, i: int) -> dict[str, Any]:
         return {"model": self.model, "prompt": list(self.prompts[i]), "max_tokens": self.max_tokens,
@@ -113,9 +114,12 @@ class StreamLoad:
         i = k
         while not self._stop.is_set():
             p = i % len(self.prompts)
+            with self._lock:
+                self._open[k] = time.monotonic()
             o = stream_completion(self.base_url, self.body(p), p, self.timeout_s)
             with self._lock:
                 self.outcomes.append(o)
+                del self._open[k]
             i += 1
 
     def start(self) -> StreamLoad:
@@ -131,6 +135,18 @@ class StreamLoad:
             t.join(self.timeout_s + 10)
         with self._lock:
             return list(self.outcomes)
+
+    def wait_in_flight(self, min_age_s: float, max_age_s: float, timeout_s: float = 60.0) -> None:
+        """Block until some unfinished request started between ``min_age_s`` and ``max_age_s`` ago, so that a
+        disturbance applied next finds work mid-stream however the clients' rounds line up."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            with self._lock:
+                if any(min_age_s <= now - t0 <= max_age_s for t0 in self._open.values()):
+                    return
+            time.sleep(0.02)
+        raise TimeoutError(f"no request {min_age_s}-{max_age_s} s into its stream within {timeout_s} s")
 
     def in_flight_at(self, t: float) -> int:
         """Requests that had started and not ended at monotonic time ``t`` (among those finished now)."""

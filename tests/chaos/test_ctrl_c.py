@@ -45,9 +45,11 @@ def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path):
         warm = stream_completion(base, {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4,
                                         "temperature": 0.0}, 0, 120.0)
         assert warm.ok, warm
-        load = StreamLoad(base, MODEL, PROMPTS, clients=4, max_tokens=160).start()  # ~1.3 s each: some are
-        # always 0.25 s into their stream at the Ctrl-C (with 96 tokens, ~0.8 s, a fresh clone once had none)
-        time.sleep(3.0)
+        load = StreamLoad(base, MODEL, PROMPTS, clients=4, max_tokens=160).start()  # ~1.3-1.5 s each
+        time.sleep(2.0)
+        # the 4 clients' rounds can line up so that a fixed sleep lands just as a round starts (CI once saw no
+        # request in flight): wait until one is 0.4-0.7 s into its stream, with ~0.6 s or more still to go
+        load.wait_in_flight(0.4, 0.7)
         load._stop.set()  # no new requests from here on: only the in-flight ones must finish
         t_int = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
