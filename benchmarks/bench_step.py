@@ -18,7 +18,7 @@ norms, RoPE, residual adds, SwiGLU, the Python of the layer loop), schedule, sam
 glue, detokenise, bookkeeping). "overhead %" = everything but matmul, lm_head, attn_kernel and program, as a
 share of the step. `--clock thread` times with the thread's CPU clock: with one intra-op thread this
 is the step's own work, without the time the OS gives other processes (use it on a shared machine).
-`--profile` adds torch.profiler's top ops of batch-1 steps and the number of aten ops per step. Each batch size runs `--rounds` timed
+`--no-glue` runs a dense model's norms, RoPE and SwiGLU as ATen ops (`workers/glue.py` off). `--profile` adds torch.profiler's top ops of batch-1 steps and the number of aten ops per step. Each batch size runs `--rounds` timed
 rounds; the round with the fastest step is reported.
 """
 
@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops at batch 1")
     ap.add_argument("--no-program", action="store_true",
                     help="run decode layers from Python (the same calls, timed apart) instead of one call per step")
+    ap.add_argument("--no-glue", action="store_true",
+                    help="dense layers: norms, RoPE and SwiGLU in ATen ops instead of `workers/glue.py`'s calls")
     args = ap.parse_args(argv)
     extra: dict[str, Any] = {"quantization": args.quantization} if args.quantization else {}
     cfg = EngineConfig(model=args.model, dtype=None if args.dtype == "auto" else args.dtype,
@@ -238,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     core = EngineCore(cfg)
     if args.no_program:
         core.model.step_programs = False
+    if args.no_glue and hasattr(core.model, "glue_layers"):
+        core.model.glue_layers = False
     clock = CLOCKS[args.clock]
     load = os.getloadavg()
     print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; torch {torch.__version__} "

@@ -31,6 +31,7 @@ echo "[setup] installing chunkserve ${spec}"
 
 # the in-place CPU decode kernel, compiled for this CPU now rather than on the first request
 "$VPY" -c "from chunkserve.kernels.cpu_kernel import load_cpu_kernel as k; print('[setup] CPU kernel:', getattr(k(), 'path', 'unavailable (gather path)'))" || true
+"$VPY" -c "from chunkserve.workers.glue import load_glue as g; print('[setup] dense-layer glue kernel:', 'built' if g() else 'unavailable (ATen ops)')" || true
 
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then

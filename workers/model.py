@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from chunkserve.workers.config import ModelConfig
 from chunkserve.workers.dense_attention import DenseCausalAttention
+from chunkserve.workers.glue import glue_for, glued_layers
 from chunkserve.workers.linear import (
     QUANT_MODES,
     Int8Weight,
@@ -99,6 +100,8 @@ class CausalLM:
         self._fused = False  # the bound matmuls carry the norms, SwiGLU and residual adds (block-quantised)
         self._programs: StepPrograms | None = None  # with them: decode steps' layer loops as one call
         self.step_programs = True  # off: the Python layer loop (the same calls; benchmarks time them apart)
+        self._glue = glue_for(embed)  # dense CPU layers: norms, RoPE, SwiGLU in one call each (`workers/glue.py`)
+        self.glue_layers = True  # off: the same layers in ATen ops (benchmarks time them apart)
         self._bind()
 
     def _linear_fns(self, w: Weight, b: torch.Tensor | None, packed: torch.Tensor | None) -> tuple[LinearFn, LinearFn]:
@@ -131,6 +134,7 @@ class CausalLM:
             pairs = [self._linear_fns(w, b, p) for (w, b), p in zip(lw.matmuls(), pk, strict=True)]
             self._fns_row.append(tuple(p[0] for p in pairs))
             self._fns_rows.append(tuple(p[1] for p in pairs))
+        self._norms = [*(ln for lw in self.layers for ln in (lw.ln1, lw.ln2)), self.norm]  # as `glued_layers` takes
         if isinstance(self.lm_head, Q4Weight | Q8Weight):  # fp32 logits straight from the kernel
             self._head = block_linear(self.lm_head, None, self.dtype, torch.float32)
         else:
@@ -369,6 +373,8 @@ class CausalLM:
                 f_o(o.reshape(t, q_size), h)  # h += o . W_o^T
                 f_down(f_gate_up(h), h)  # h += SwiGLU(RMSNorm(h) . W_gu^T) . W_down^T
             return self._rms_norm(h, self.norm)
+        if self._glue is not None and self.glue_layers:
+            return glued_layers(self._glue, h, self._norms, c.rms_norm_eps, fns, cos, sin, (hq, hkv, d), attn)
         for i, (lw, (f_qkv, f_o, f_gate_up, f_down)) in enumerate(zip(self.layers, fns, strict=True)):
             qkv = f_qkv(self._rms_norm(h, lw.ln1))  # [T, (Hq + 2*Hkv) * D]
             qk = qkv[:, :qk_size].view(t, hq + hkv, d)  # q and k heads, RoPE'd in one go

@@ -31,7 +31,7 @@ def test_wheel_holds_only_the_chunkserve_namespace(wheel: Path) -> None:
     assert "chunkserve/kernels/tpp_torch.py" in names
     for src in ("decode_cpu.cpp", "run_cpu.cpp", "simd.h"):  # the CPU kernels are built from them on first use
         assert f"chunkserve/kernels/csrc/{src}" in names
-    for src in ("qmatmul.cpp", "qact.h"):  # the int4/int8 matmul, built the same way
+    for src in ("qmatmul.cpp", "qact.h", "glue.cpp"):  # the int4/int8 matmul and the dense glue, built the same way
         assert f"chunkserve/workers/csrc/{src}" in names
     assert {"chunkserve/loadtests/locustfile.py", "chunkserve/loadtests/workload.py"} <= set(names)
     assert {f"chunkserve/router/static/dashboard.{ext}" for ext in ("html", "js", "css")} <= set(names)

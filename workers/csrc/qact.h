@@ -87,6 +87,13 @@ inline __m256 load8(const void* x, int dtype, int64_t i) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// silu(g) = g / (1 + e^-g) = g e^g / (1 + e^g): exp of -|g| either way.
+inline __m256 vsilu(__m256 g) {
+  const __m256 e = vexp_neg(_mm256_or_ps(g, _mm256_set1_ps(-0.0f)));
+  const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), g);  // negative lanes: g e^g
+  return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
 inline float hsum8(__m256 v) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -100,15 +107,10 @@ inline void load_row(const void* x, int dtype, int64_t K, bool glu, const void* 
   int64_t j = 0;
 #if CS_Q_AVX2
   if (K % 8 == 0) {  // always: K % 32 == 0
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     __m256 ss = _mm256_setzero_ps();
     for (; j < K; j += 8) {
       __m256 v = load8(x, dtype, j);
-      if (glu) {  // silu(g) = g / (1 + e^-g) = g e^g / (1 + e^g): exp of -|g| either way
-        const __m256 e = vexp_neg(_mm256_or_ps(v, sign));
-        const __m256 num = _mm256_blendv_ps(v, _mm256_mul_ps(v, e), v);  // negative lanes: g e^g
-        v = _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), load8(x, dtype, K + j));
-      }
+      if (glu) v = _mm256_mul_ps(vsilu(v), load8(x, dtype, K + j));
       ss = _mm256_fmadd_ps(v, v, ss);
       _mm256_storeu_ps(f + j, v);
     }
