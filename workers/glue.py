@@ -5,8 +5,9 @@ Between a layer's four matmuls the torch loop of `CausalLM.forward` runs about t
 microseconds, because its code and data have left the cache: ~0.7 ms per SmolLM2 layer at 32 rows on a
 2-core EPYC, a tenth of the step. `glued_layers` runs the same layer with four calls of its own between
 the matmuls: residual add + RMSNorm, RoPE in place on the q/k columns, SwiGLU, and the next add + norm.
-Rounding is ATen's where it rounds (bf16 gives the same values); fp32 sums run in another order, so fp32
-can differ in the last bits. Built like the other CPU kernels (`kernels/cpu_kernel.build_extension`);
+Values are rounded to the model dtype where ATen rounds them, but the norm's sum of squares runs in another
+order and SwiGLU uses its own exp, so results can differ from ATen's in the last bit (fp32), or by one bf16
+step in a few values in a thousand (bf16; RoPE and the adds are exact). Built like the other CPU kernels (`kernels/cpu_kernel.build_extension`);
 without a compiler the torch loop runs.
 """
 
@@ -52,6 +53,10 @@ class Glue:
     def add_rms_norm(self, h: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
         """h: [T, H] (+= r in place when given), r: [T, H] -> RMSNorm(h) * w: [T, H] (a new tensor)."""
         t, n = h.shape
+        if w.dtype != h.dtype or w.shape != (n,) or h.stride(1) != 1 or (
+                r is not None and (r.dtype != h.dtype or r.shape != h.shape or r.stride(1) != 1)):
+            raise ValueError(f"add_rms_norm: h {tuple(h.shape)} {h.dtype}, w {tuple(w.shape)} {w.dtype}, r "
+                             f"{None if r is None else (tuple(r.shape), r.dtype)}: rows of one dtype, unit stride")
         o = torch.empty_like(h)
         rc = self._norm(h.data_ptr(), None if r is None else r.data_ptr(), o.data_ptr(), _DTYPE_CODES[h.dtype], t, n,
                         h.stride(0), n if r is None else r.stride(0), n, w.data_ptr(), eps, torch.get_num_threads())
@@ -62,6 +67,10 @@ class Glue:
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cols: int) -> None:
         """x: [T, >= cols] rotated in place over its first cols values; cos, sin: [T, 1, D] (contiguous)."""
         t, d = x.shape[0], cos.shape[-1]
+        if not (cos.dtype == sin.dtype == x.dtype and cos.shape == sin.shape == (t, 1, d) and cos.is_contiguous()
+                and sin.is_contiguous() and x.stride(1) == 1):
+            raise ValueError(f"rope_: x {tuple(x.shape)} {x.dtype}, cos {tuple(cos.shape)} {cos.dtype}, sin "
+                             f"{tuple(sin.shape)} {sin.dtype}: one dtype, [T, 1, D] factors for x's T rows")
         rc = self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), _DTYPE_CODES[x.dtype], t, x.stride(0), cols, d,
                         torch.get_num_threads())
         if rc:
@@ -70,6 +79,8 @@ class Glue:
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """gu: [T, 2I] (gate, up) -> silu(gate) * up: [T, I]."""
         t, i2 = gu.shape
+        if i2 % 2 or gu.stride(1) != 1:
+            raise ValueError(f"silu_mul: gu {tuple(gu.shape)} must hold (gate, up) halves in unit-stride rows")
         o = gu.new_empty(t, i2 // 2)
         rc = self._silu(gu.data_ptr(), o.data_ptr(), _DTYPE_CODES[gu.dtype], t, i2 // 2, gu.stride(0), i2 // 2,
                         torch.get_num_threads())

@@ -2,10 +2,11 @@
 // ATen ops: residual add + RMSNorm, RoPE in place, SwiGLU. Between large matmuls each small ATen op costs
 // tens of microseconds (its code and data are out of cache); these loops touch each value once.
 //
-// Rounding follows the ATen ops they replace (workers/model.py's torch loop), so bf16 results are the same
-// values: an add, a norm's cast before its weight multiply, silu before the multiply by up, RoPE's
-// swap * sin before the add of x * cos are each rounded to the model dtype where ATen rounds them. Sums
-// (the norm's mean square) run in another order than ATen's, so fp32 results can differ in the last bits.
+// Rounding follows the ATen ops they replace (workers/model.py's torch loop): an add, a norm's cast before
+// its weight multiply, silu before the multiply by up, RoPE's swap * sin before the add of x * cos are each
+// rounded to the model dtype where ATen rounds them (in bf16 RoPE and the adds give ATen's values). The norm's sum of
+// squares runs in another order and silu uses csq::vexp_neg, not ATen's exp, so those can differ from ATen's
+// in the last fp32 bit, which moves a few bf16 values in a thousand by one bf16 step.
 //
 // dtype codes: 0 fp32, 1 bf16. Rows have a leading dimension (elements); values within a row are contiguous.
 #include <omp.h>
