@@ -171,7 +171,7 @@ def test_grpc_through_rays_proxy_refuses_20_mb_fast_and_garbage_cleanly(cluster)
             raw(b"\xff\xff\xff\x0f garbage", metadata=md, timeout=30)
     _report("gRPC limits", big_mb=round(big.ByteSize() / 2**20, 1), refused_s=round(elapsed, 3),
             big_code=ei.value.code().name, garbage_code=eg.value.code().name, garbage_details=eg.value.details())
-    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and elapsed < 0.5
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and elapsed < 2.0  # no parse of 20 MB
     assert eg.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Error" not in eg.value.details()
 
 

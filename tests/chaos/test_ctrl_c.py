@@ -53,9 +53,17 @@ def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path):
         load._stop.set()  # no new requests from here on: only the in-flight ones must finish
         t_int = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
-        time.sleep(1.0)
-        late = stream_completion(base, {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4,
-                                        "temperature": 0.0}, 1, 30.0)  # sent during the drain
+        # sent during the drain: once the launcher has said so, requests until one is not served (the route's
+        # removal reaches the proxy a moment after `serve.delete`; a request before that is still served)
+        deadline = time.monotonic() + 30
+        while "draining" not in (tmp_path / "up.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        while True:
+            late = stream_completion(base, {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4,
+                                            "temperature": 0.0}, 1, 30.0)
+            if not late.ok or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         outs = load.stop()
         # in flight = sent at least 0.25 s before the Ctrl-C (so the proxy has it) and not done by then; a request
         # sent in the same instant as the signal may reach the proxy after the app's routes are gone (a 404)

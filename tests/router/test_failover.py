@@ -99,18 +99,22 @@ def _failovers(ingress: Ingress, phase: str) -> float:
                          ids=["greedy", "seeded"])
 def test_a_stream_whose_worker_dies_mid_stream_resumes_with_the_same_tokens(reference, sampling):
     async def main() -> None:
-        want, want_last, want_text = await _run(_ingress(LocalEngineClient(reference), reference), 24, **sampling)
+        # 160 tokens: the engine thread of the dying worker must not finish the stream before the kill lands
+        # (with 24, a reader that fell behind on a loaded machine could let it run to the end)
+        n = 160
+        want, want_last, want_text = await _run(_ingress(LocalEngineClient(reference), reference), n, **sampling)
+        assert len(want) > 24
         dying = AsyncEngine(ECFG)
         survivor = AsyncEngine(ECFG)
         client = DyingClient([dying, survivor], kill_after={0: 7})
         ing = _ingress(client, survivor)
-        got, last, text = await _run(ing, 24, **sampling)
+        got, last, text = await _run(ing, n, **sampling)
         survivor.shutdown()
         assert got == want and text == want_text  # one unbroken stream, token for token the undisturbed one
         k = client.calls[1].sampling.seed_offset  # tokens sent before the kill (>= 7: some may be in flight)
-        assert len(client.calls) == 2 and 7 <= k < 24
+        assert len(client.calls) == 2 and 7 <= k < len(want)
         assert client.calls[1].prompt_token_ids == tuple(PROMPT) + tuple(want[:k])
-        assert client.calls[1].sampling.max_tokens == 24 - k
+        assert client.calls[1].sampling.max_tokens == n - k
         assert last.finish_reason == want_last.finish_reason and last.num_output_tokens == len(want)
         assert last.num_prompt_tokens == len(PROMPT)
         assert _failovers(ing, "mid_stream") == 1.0

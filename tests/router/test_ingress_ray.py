@@ -164,4 +164,6 @@ def test_http_disconnect_under_ray_serve_aborts_the_worker_request(cluster):
     time.sleep(1.0)  # an aborted request computes nothing more
     computed = _worker_stats()["tokens_computed"] - before
     print("tokens computed before the abort:", computed)
-    assert computed < max_tokens * 3 // 4  # prompt (~20) + the tokens decoded before the abort
+    # prompt (~18) + the tokens decoded before the abort; run to the end it would be ~18 + 150 (the cancel
+    # travels proxy -> ingress -> worker while the worker decodes at full speed: no tighter bound on a loaded box)
+    assert computed < max_tokens
