@@ -7,8 +7,8 @@ microseconds, because its code and data have left the cache: ~0.7 ms per SmolLM2
 the matmuls: residual add + RMSNorm, RoPE in place on the q/k columns, SwiGLU, and the next add + norm.
 Values are rounded to the model dtype where ATen rounds them, but the norm's sum of squares runs in another
 order and SwiGLU uses its own exp, so results can differ from ATen's in the last bit (fp32), or by one bf16
-step in a few values in a thousand (bf16; RoPE and the adds are exact). Built like the other CPU kernels (`kernels/cpu_kernel.build_extension`);
-without a compiler the torch loop runs.
+step in a few values in a thousand (bf16; RoPE and the adds are exact). Built like the other CPU kernels
+(`kernels/cpu_kernel.build_extension`); without a compiler the torch loop runs.
 """
 
 from __future__ import annotations
