@@ -18,8 +18,9 @@ norms, RoPE, residual adds, SwiGLU, the Python of the layer loop), schedule, sam
 glue, detokenise, bookkeeping). "overhead %" = everything but matmul, lm_head, attn_kernel and program, as a
 share of the step. `--clock thread` times with the thread's CPU clock: with one intra-op thread this
 is the step's own work, without the time the OS gives other processes (use it on a shared machine).
-`--no-glue` runs a dense model's norms, RoPE and SwiGLU as ATen ops (`workers/glue.py` off). `--profile` adds torch.profiler's top ops of batch-1 steps and the number of aten ops per step. Each batch size runs `--rounds` timed
-rounds; the round with the fastest step is reported.
+`--no-glue` runs a dense model's norms, RoPE and SwiGLU as ATen ops (`workers/glue.py` off). `--profile`
+adds torch.profiler's top ops of batch-1 steps and the number of aten ops per step. Each batch size runs
+`--rounds` timed rounds; the round with the fastest step is reported.
 """
 
 from __future__ import annotations

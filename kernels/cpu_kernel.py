@@ -20,9 +20,10 @@ import logging
 import os
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -30,6 +31,7 @@ from chunkserve import env
 from chunkserve.kernels.torch_ops import Workspace
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "decode_cpu.cpp", CSRC / "run_cpu.cpp")  # one library; headers: csrc/*.h
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
@@ -88,6 +90,16 @@ def build_extension(stem: str, sources: Sequence[Path], force: bool = False) -> 
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def bind_or_none(bind: Callable[[], T], what: str) -> T | None:
+    """``bind()`` (build a library with `build_extension` and bind it), or None with a warning naming ``what``
+    and its fallback when there is no compiler or the build fails: every CPU kernel is optional."""
+    try:
+        return bind()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("%s unavailable: %s", what, exc)
+        return None
 
 
 def build(force: bool = False) -> Path:
@@ -290,11 +302,7 @@ def load_cpu_kernel() -> CpuDecodeKernel | None:
     """The kernel for this process, built on first use; None when disabled or it cannot be built."""
     if not env.cpu_kernel_enabled():
         return None
-    try:
-        return CpuDecodeKernel(build())
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("in-place CPU decode kernel unavailable, using the gather path: %s", exc)
-        return None
+    return bind_or_none(lambda: CpuDecodeKernel(build()), "in-place CPU decode kernel (using the gather path)")
 
 
 def inplace_kernel(q4: torch.Tensor, pool: torch.Tensor, inplace: bool | None) -> CpuDecodeKernel | None:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from chunkserve import env
-from chunkserve.kernels.cpu_kernel import build_extension
+from chunkserve.kernels.cpu_kernel import bind_or_none, build_extension
 from chunkserve.workers.linear import LinearFn
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "qmatmul.cpp"
 BLOCK = 32
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -168,11 +165,7 @@ def load_kernel() -> QKernel | None:
     cannot be built."""
     if not env.qkernel_enabled():
         return None
-    try:
-        return QKernel(build())
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("block-quantised CPU kernel unavailable, dequantising per call: %s", exc)
-        return None
+    return bind_or_none(lambda: QKernel(build()), "block-quantised CPU kernel (dequantising per call)")
 
 
 def block_linear(w: BlockWeight, b: torch.Tensor | None, dtype: torch.dtype,

@@ -8,7 +8,8 @@ per row (``[rows, Hkv, cached + new, D]``, built outside the timed region), the 
 boolean offset-causal one and torch's ``causal_lower_right`` bias (with nothing cached that is plain
 ``is_causal``, which skips the masked blocks): what a system without a chunked, shared cache pays. Both
 are timed per layer: chunkserve's step tables are built once per step for every layer (as the engine does;
-their cost is printed beside, per step), the baseline's mask and contiguous K/V outside the timed region. Medians over interleaved repeats.
+their cost is printed beside, per step), the baseline's mask and contiguous K/V outside the timed region.
+Medians over interleaved repeats.
 """
 
 from __future__ import annotations
