@@ -11,8 +11,9 @@ call and its attention kernels (`_prefill`/`_decode`), model.compute_logits, sam
 
 Categories, ms per step: matmul (the layers' linears), lm_head, attn_kernel (with the fused CPU
 decode layer, `kernels/cpu_layer.py`, its one call, K/V writes included), program (block-quantised
-models: every layer of a decode step in one call, `workers/step_program.py`: the layers' matmuls,
-attention, norms and residual adds; `--no-program` times those calls one by one from Python), kv_write+glue
+models, and bf16 ones with AVX512-BF16 at up to 8 rows: every layer of a decode step in one call,
+`workers/step_program.py`: the layers' matmuls, attention, norms and residual adds; `--no-program` times
+those calls one by one from Python, or for bf16 runs the oneDNN layers), kv_write+glue
 (`StepAttention` minus the kernels: K/V scatter into the pool, dispatch), layer_other (embedding,
 norms, RoPE, residual adds, SwiGLU, the Python of the layer loop), schedule, sample, rest (runner
 glue, detokenise, bookkeeping). "overhead %" = everything but matmul, lm_head, attn_kernel and program, as a

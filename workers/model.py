@@ -28,7 +28,7 @@ from chunkserve.workers.linear import (
 )
 from chunkserve.workers.quant import BlockWeight, Q4Weight, Q8Weight, block_linear
 from chunkserve.workers.rope import rope_inv_freq
-from chunkserve.workers.step_program import StepPrograms
+from chunkserve.workers.step_program import BF16_PROGRAM_ROWS, StepPrograms
 
 __all__ = ["AttentionFn", "CausalLM", "DenseCausalAttention", "LayerWeights", "Weight", "rope_inv_freq"]
 
@@ -99,6 +99,7 @@ class CausalLM:
         self._head: LinearFn = plain_linear(embed, None)
         self._fused = False  # the bound matmuls carry the norms, SwiGLU and residual adds (block-quantised)
         self._programs: StepPrograms | None = None  # with them: decode steps' layer loops as one call
+        self._bf16_programs: StepPrograms | None = None  # bf16 (prepacked): one-row decode steps as one call
         self.step_programs = True  # off: the Python layer loop (the same calls; benchmarks time them apart)
         self._glue = glue_for(embed)  # dense CPU layers: norms, RoPE, SwiGLU in one call each (`workers/glue.py`)
         self.glue_layers = True  # off: the same layers in ATen ops (benchmarks time them apart)
@@ -111,7 +112,7 @@ class CausalLM:
         if isinstance(w, Int8Weight):
             fn = int8_linear(w, b, self.dtype)
             return fn, fn
-        if isinstance(w, Q4Weight | Q8Weight):
+        if isinstance(w, BlockWeight):
             fn = block_linear(w, b, self.dtype)
             return fn, fn
         if packed is None:
@@ -135,7 +136,7 @@ class CausalLM:
             self._fns_row.append(tuple(p[0] for p in pairs))
             self._fns_rows.append(tuple(p[1] for p in pairs))
         self._norms = [*(ln for lw in self.layers for ln in (lw.ln1, lw.ln2)), self.norm]  # as `glued_layers` takes
-        if isinstance(self.lm_head, Q4Weight | Q8Weight):  # fp32 logits straight from the kernel
+        if isinstance(self.lm_head, BlockWeight):  # fp32 logits straight from the kernel
             self._head = block_linear(self.lm_head, None, self.dtype, torch.float32)
         else:
             self._head = self._linear_fns(self.lm_head, None, self._packed_head)[1]  # as fast or faster there
@@ -171,6 +172,10 @@ class CausalLM:
             self._packed = self._packed_head = None
             return False
         self._batch_hint = batch_hint
+        if self.dtype == torch.bfloat16:  # with AVX512-BF16: one-row decode steps at memory speed
+            c = self.config
+            self._bf16_programs = StepPrograms.bind_bf16(self.layers, c.rms_norm_eps, c.hidden_size,
+                                                         (c.num_heads, c.num_kv_heads, c.head_dim))
         self._bind()
         return True
 
@@ -211,7 +216,7 @@ class CausalLM:
                 self.lm_head = q(self.lm_head)
         self.quantization = mode
         repack = self._packed is not None
-        self._packed = self._packed_head = None  # the packed dense copies go with the dense weights
+        self._packed = self._packed_head = self._bf16_programs = None  # the copies go with the dense weights
         # re-packing keeps a packed copy of what is still dense (the lm_head) and rebinds
         if not (repack and self.prepack(self._batch_hint)):
             self._bind()
@@ -355,8 +360,9 @@ class CausalLM:
             raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings "
                              f"{c.max_position_embeddings}")
         input_ids = input_ids.to(self.device)
-        if self._programs is not None and self.step_programs:
-            h = self._programs.forward(attn, self.embed, self._cos, self._sin, input_ids, positions)
+        progs = self._programs or (self._bf16_programs if t <= BF16_PROGRAM_ROWS else None)
+        if progs is not None and self.step_programs:
+            h = progs.forward(attn, self.embed, self._cos, self._sin, input_ids, positions)
             if h is not None:  # a decode step, every layer in one call (`workers/step_program.py`)
                 return self._rms_norm(h, self.norm)
         cos, sin = self.rope_tables(positions.to(self.device))  # [T, 1, D] each

@@ -14,6 +14,9 @@ The kernel is compiled with the system C++ compiler (``-O3 -march=native -fopenm
 first use and cached under ``$CHUNKSERVE_CACHE/ext`` keyed by source, compiler and CPU flags; without a
 compiler (or off the CPU) `block_linear` dequantises per call and uses ``F.linear`` (slow, but the same
 weights; the activations then stay unquantised).
+
+`B16Weight` is not a quantisation: dense bf16 weights in the same kernel (``csrc/b16.h``, weight type 2), so
+that a bf16 model's decode steps of few rows run as one call (`step_program.StepPrograms.bind_bf16`).
 """
 
 from __future__ import annotations
@@ -98,7 +101,28 @@ class Q8Weight:
         return w.reshape(n, k).to(dtype)
 
 
-BlockWeight = Q4Weight | Q8Weight
+@dataclass(frozen=True)
+class B16Weight:
+    """A dense bf16 weight [N, K] (K % 32 == 0) for the same kernel (``csrc/b16.h``): not quantised, laid out
+    so that a decode step's rows read it in one pass, with the layer's norm, SwiGLU, RoPE and residual add in
+    the call (`StepPrograms`), as the block-quantised weights are."""
+
+    q: torch.Tensor  # [N, K] bf16
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> B16Weight:
+        _check_shape(w)
+        return cls(w.detach().to(torch.bfloat16).contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.q.to(dtype)
+
+
+BlockWeight = Q4Weight | Q8Weight | B16Weight
 
 
 def _check_shape(w: torch.Tensor) -> tuple[int, int]:
@@ -110,13 +134,15 @@ def _check_shape(w: torch.Tensor) -> tuple[int, int]:
 def pack(w: BlockWeight) -> torch.Tensor:
     """The kernel's layout of ``w`` (see "Packed weights" in ``csrc/qmatmul.cpp``): uint8 [ceil(N/8), K/32, bytes],
     groups of 8 rows (zero rows pad N), each block's quants as 4-byte lanes, one lane per row, then the
-    rows' fp16 scales (and Q4_1 minima)."""
+    rows' fp16 scales (and Q4_1 minima); bf16 weights as 16 pairs of each row's values a block (512 bytes)."""
     n, k = w.shape
     nb, g = k // BLOCK, -(-n // 8)
 
     def rows8(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [G * 8, ...], zero rows appended
         return torch.cat((t, t.new_zeros(g * 8 - n, *t.shape[1:]))) if g * 8 != n else t
 
+    if isinstance(w, B16Weight):  # [G, B, 16 pairs x 8 lanes x 2 values] as bytes
+        return rows8(w.q).view(g, 8, nb, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).view(g, nb, 512)
     if isinstance(w, Q4Weight):
         q = rows8(w.q).view(g, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 128)  # [G, B, 4 x 8 lanes x 4]
         tail = [rows8(t).view(g, 8, nb).permute(0, 2, 1).contiguous().view(torch.uint8) for t in (w.d, w.m)]
@@ -145,7 +171,7 @@ class QKernel:
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        if lib.cs_q_abi_version() != 6:
+        if lib.cs_q_abi_version() != 7:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_q_linear
         i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -157,6 +183,7 @@ class QKernel:
         run.restype = cint
         self.run = run
         self.simd = bool(lib.cs_q_simd())
+        self.native_bf16 = bool(lib.cs_q_bf16())  # bf16 weights multiplied by vdpbf16ps (AVX512-BF16)
 
 
 @functools.cache
@@ -207,13 +234,13 @@ class BlockLinear:
                  out_dtype: torch.dtype, norm: tuple[torch.Tensor, float] | None = None, glu: bool = False) -> None:
         self.n, self.k = w.shape
         self.in_k = 2 * self.k if glu else self.k  # input columns
-        is4 = isinstance(w, Q4Weight)
+        wtype = 0 if isinstance(w, Q4Weight) else 1 if isinstance(w, Q8Weight) else 2
         self.w = pack(w)  # the kernel's layout (the caller's Q4Weight / Q8Weight can be dropped)
         self.bias = None if b is None else b.to(out_dtype).contiguous()
         self.norm_w = None if norm is None else norm[0].to(dtype).contiguous()  # [K]
         if self.norm_w is not None and self.norm_w.shape != (self.k,):
             raise ValueError(f"norm weight of shape {tuple(self.norm_w.shape)} for a linear of input size {self.k}")
-        self.args = _CsQWeight(0 if is4 else 1, _DTYPE_CODES[out_dtype], self.w.data_ptr(),
+        self.args = _CsQWeight(wtype, _DTYPE_CODES[out_dtype], self.w.data_ptr(),
                                None if self.bias is None else self.bias.data_ptr(), self.n, self.k,
                                None if self.norm_w is None else self.norm_w.data_ptr(),
                                0.0 if norm is None else float(norm[1]), int(glu))

@@ -23,11 +23,23 @@ import numpy as np
 import torch
 
 from chunkserve.kernels.cpu_layer import FusedDecodeLayer
-from chunkserve.workers.quant import BlockLinear, Q4Weight, Q8Weight, QKernel, fused_block_linear
+from chunkserve.workers.quant import (
+    BLOCK,
+    B16Weight,
+    BlockLinear,
+    BlockWeight,
+    QKernel,
+    fused_block_linear,
+    load_kernel,
+)
 
 OP_WORDS = 16  # kOpWords of the source
 LINEAR, CALL = 0, 1
 MAX_PROGRAMS = 8  # programs kept per model (by batch size and thread count, most recently used)
+# bf16 models: decode steps of at most this many rows run through `B16Weight` copies of the layers (at one row
+# a step reads every weight once, which the kernel does at memory speed; from a few rows on oneDNN's blocked
+# bf16 kernel is faster, `benchmarks/bench_step.py`)
+BF16_PROGRAM_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -130,7 +142,7 @@ class StepPrograms:
         """For block-quantised layers with the kernel available: per layer (qkv with RMSNorm ln1 in, o,
         gate_up with RMSNorm ln2 in, down with SwiGLU in); o and down add into the residual (`f(x, h)`).
         None otherwise."""
-        if not layers or not all(isinstance(w, Q4Weight | Q8Weight) for lw in layers for w, _ in lw.matmuls()):
+        if not layers or not all(isinstance(w, BlockWeight) for lw in layers for w, _ in lw.matmuls()):
             return None
         out: list[tuple[BlockLinear, ...]] = []
         for lw in layers:
@@ -142,6 +154,22 @@ class StepPrograms:
                 return None
             out.append(tuple(f for f in fns if f is not None))
         return cls(out, hidden, heads, dtype)
+
+    @classmethod
+    def bind_bf16(cls, layers: Sequence[LayerLike], eps: float, hidden: int,
+                  heads: tuple[int, int, int]) -> StepPrograms | None:
+        """`bind` over `B16Weight` copies of dense bf16 CPU layers, for decode steps of at most
+        `BF16_PROGRAM_ROWS` rows; None without the kernel's native bf16 dot product (AVX512-BF16) or for other
+        weights. The copies cost the layers' weights once more in memory (2 bytes a parameter)."""
+        kern = load_kernel()
+        mm = [lw.matmuls() for lw in layers]
+        if kern is None or not kern.native_bf16 or not all(
+                isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+                and w.dim() == 2 and w.shape[1] % BLOCK == 0 for m in mm for w, _ in m):
+            return None
+        b16 = [_Layer(lw.ln1, lw.ln2, tuple((B16Weight.quantize(w), b) for w, b in m))
+               for lw, m in zip(layers, mm, strict=True)]
+        return cls.bind(b16, eps, hidden, heads, torch.bfloat16)
 
     def _get(self, t: int) -> StepProgram:
         key = (t, torch.get_num_threads())  # a served engine's threads change with its node's load
@@ -169,3 +197,15 @@ class StepPrograms:
         torch.index_select(cos, 0, positions, out=prog.cos)  # [T, 1, D]
         torch.index_select(sin, 0, positions, out=prog.sin)
         return prog.run(layers)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """A `LayerLike` over other weights (`StepPrograms.bind_bf16`)."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    mm: tuple[tuple[Any, torch.Tensor | None], ...]
+
+    def matmuls(self) -> tuple[tuple[Any, torch.Tensor | None], ...]:
+        return self.mm

@@ -25,7 +25,7 @@ using csq::load_x;
 
 constexpr int64_t kSerialElements = 1 << 16;  // below this many values a call runs on one thread
 
-inline float round_to(int dtype, float v) { return dtype == 0 ? v : bf16_to_f(f_to_bf16(v)); }
+using csq::round_to;
 
 inline void store_x(void* y, int dtype, int64_t i, float v) {
   if (dtype == 0) {
@@ -36,14 +36,7 @@ inline void store_x(void* y, int dtype, int64_t i, float v) {
 }
 
 #if CS_Q_AVX2
-inline __m256 round8(int dtype, __m256 v) {  // to bf16 and back, round to nearest even (finite values)
-  if (dtype == 0) return v;
-  __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
-  const __m256 r = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-  return _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN stays NaN (as f_to_bf16)
-}
+using csq::round8;
 
 inline void store8(void* y, int dtype, int64_t i, __m256 v) {  // v already rounded to dtype when bf16
   if (dtype == 0) {

@@ -1,6 +1,7 @@
 // Activations for the block-quantised linears (qmatmul.cpp): element conversions, the optional prologue
 // (SwiGLU, RMSNorm) and the per-block int8 quantisation of a row (Q8_1). Vectorised on AVX2; the scalar
-// fallback computes the same quantities.
+// fallback computes the same quantities. In bf16 (dtype 1) the prologue rounds where ATen (and glue.cpp) round:
+// silu before the multiply by up, the normalised value before the multiply by the norm weight, each product.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -56,6 +57,8 @@ inline uint16_t f_to_bf16(float f) {  // round to nearest even (NaN stays NaN)
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+inline float round_to(int dtype, float v) { return dtype == 0 ? v : bf16_to_f(f_to_bf16(v)); }
+
 inline float load_x(const void* x, int dtype, int64_t i) {
   return dtype == 0 ? static_cast<const float*>(x)[i] : bf16_to_f(static_cast<const uint16_t*>(x)[i]);
 }
@@ -79,6 +82,15 @@ inline __m256 vexp_neg(__m256 x) {
   p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fl), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline __m256 round8(int dtype, __m256 v) {  // to bf16 and back, round to nearest even (finite values)
+  if (dtype == 0) return v;
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  const __m256 r = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  return _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN stays NaN (as f_to_bf16)
 }
 
 inline __m256 load8(const void* x, int dtype, int64_t i) {
@@ -110,27 +122,28 @@ inline void load_row(const void* x, int dtype, int64_t K, bool glu, const void* 
     __m256 ss = _mm256_setzero_ps();
     for (; j < K; j += 8) {
       __m256 v = load8(x, dtype, j);
-      if (glu) v = _mm256_mul_ps(vsilu(v), load8(x, dtype, K + j));
+      if (glu) v = round8(dtype, _mm256_mul_ps(round8(dtype, vsilu(v)), load8(x, dtype, K + j)));
       ss = _mm256_fmadd_ps(v, v, ss);
       _mm256_storeu_ps(f + j, v);
     }
     if (norm_w != nullptr) {
       const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(hsum8(ss) / static_cast<float>(K) + eps));
       for (j = 0; j < K; j += 8)
-        _mm256_storeu_ps(f + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(f + j), inv), load8(norm_w, dtype, j)));
+        _mm256_storeu_ps(f + j, round8(dtype, _mm256_mul_ps(round8(dtype, _mm256_mul_ps(_mm256_loadu_ps(f + j), inv)),
+                                                            load8(norm_w, dtype, j))));
     }
     return;
   }
 #endif
   for (; j < K; ++j) f[j] = load_x(x, dtype, j);
   if (glu) {
-    for (j = 0; j < K; ++j) f[j] = f[j] / (1.0f + std::exp(-f[j])) * load_x(x, dtype, K + j);
+    for (j = 0; j < K; ++j) f[j] = round_to(dtype, round_to(dtype, f[j] / (1.0f + std::exp(-f[j]))) * load_x(x, dtype, K + j));
   }
   if (norm_w != nullptr) {
     float ss = 0.0f;
     for (j = 0; j < K; ++j) ss += f[j] * f[j];
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
-    for (j = 0; j < K; ++j) f[j] = f[j] * inv * load_x(norm_w, dtype, j);
+    for (j = 0; j < K; ++j) f[j] = round_to(dtype, round_to(dtype, f[j] * inv) * load_x(norm_w, dtype, j));
   }
 }
 

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "b16.h"
 #include "qact.h"
 
 namespace {
@@ -153,10 +154,11 @@ void group_q8(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const 
 #endif
 
 struct Args {
-  int wtype;  // 0: Q4_1, 1: Q8_0
+  int wtype;  // 0: Q4_1, 1: Q8_0, 2: bf16 (b16.h)
   const uint8_t* pw;  // packed groups
   int64_t N, K, M;
   const int8_t* xq;
+  const uint16_t* xb;  // bf16 activations [M, K] (weight type 2)
   const float* xa;
   const float* xs;
   void* y;
@@ -169,20 +171,25 @@ struct Args {
 template <int MT>
 void group_rows(const Args& g, int64_t grp, int64_t m, float* out) {
   const int64_t nb = g.K / kBlock;
-  if (g.wtype == 0) {
+  if (MT > 4 || g.wtype == 2) {  // 8-row tiles for bf16 weights only
+    group_b16<MT>(g.pw + grp * nb * kB16Bytes, nb, g.xb + m * g.K, g.K, out, kGroup);
+  } else if (g.wtype == 0) {
     group_q4<MT>(g.pw + grp * nb * kQ4Bytes, nb, g.xq + m * g.K, g.K, g.xa + m * nb, g.xs + m * nb, out, kGroup);
   } else {
     group_q8<MT>(g.pw + grp * nb * kQ8Bytes, nb, g.xq + m * g.K, g.K, g.xa + m * nb, out, kGroup);
   }
 }
 
-// Row groups [g0, g1) for activation rows [m0, m1): 4 activation rows share each unpacked weight vector.
+// Row groups [g0, g1) for activation rows [m0, m1): 4 activation rows (8 for bf16 weights) share each
+// unpacked weight vector.
 void group_range(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  float out[4 * kGroup];
+  float out[8 * kGroup];
   for (int64_t grp = g0; grp < g1; ++grp) {
     for (int64_t m = m0; m < m1;) {
-      const int64_t mt = m1 - m >= 4 ? 4 : m1 - m >= 2 ? 2 : 1;
-      if (mt == 4) {
+      const int64_t mt = g.wtype == 2 && m1 - m >= 8 ? 8 : m1 - m >= 4 ? 4 : m1 - m >= 2 ? 2 : 1;
+      if (mt == 8) {
+        group_rows<8>(g, grp, m, out);
+      } else if (mt == 4) {
         group_rows<4>(g, grp, m, out);
       } else if (mt == 2) {
         group_rows<2>(g, grp, m, out);
@@ -199,7 +206,7 @@ void group_range(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) 
             *y = g.accumulate ? *y + v : v;
           } else {
             uint16_t* y = static_cast<uint16_t*>(g.y) + m * g.ldy + n0 + r;
-            *y = f_to_bf16(g.accumulate ? bf16_to_f(*y) + v : v);
+            *y = f_to_bf16(g.accumulate ? bf16_to_f(*y) + round_to(1, v) : v);  // ATen: y + round(v)
           }
         }
       }
@@ -214,7 +221,8 @@ void rope_row(void* y, int ydtype, int64_t off, const void* c, const void* s, in
   for (int64_t h0 = 0; h0 < cols; h0 += d) {
     for (int64_t j = 0; j < d; ++j) v[j] = load_x(y, ydtype, off + h0 + j);
     for (int64_t j = 0; j < d; ++j) {
-      const float r = v[j] * load_x(c, ydtype, j) + v[j < half ? j + half : j - half] * load_x(s, ydtype, j);
+      // rounded as ATen (and glue.cpp) in bf16: round(round(swap_halves(v) * s) + v * c)
+      const float r = v[j] * load_x(c, ydtype, j) + round_to(ydtype, v[j < half ? j + half : j - half] * load_x(s, ydtype, j));
       if (ydtype == 0) {
         static_cast<float*>(y)[off + h0 + j] = r;
       } else {
@@ -230,7 +238,7 @@ extern "C" {
 
 // The constant half of a call (one per bound weight, filled by the caller once): weights, shape, output.
 struct CsQWeight {
-  int32_t wtype;  // 0: Q4_1, 1: Q8_0
+  int32_t wtype;  // 0: Q4_1, 1: Q8_0, 2: bf16
   int32_t ydtype;  // output: 0 fp32, 1 bf16
   const void* packed;  // ceil(N / 8) groups of K / 32 blocks (see "Packed weights")
   const void* bias;  // [N] in ydtype, or null
@@ -240,9 +248,10 @@ struct CsQWeight {
   int32_t glu;  // prologue SwiGLU: x rows hold 2K values (gate, up)
 };
 
-int cs_q_abi_version() { return 6; }
+int cs_q_abi_version() { return 7; }
 int cs_q_simd() { return CS_Q_AVX2; }
-int64_t cs_q_block_bytes(int wtype) { return wtype == 0 ? kQ4Bytes : kQ8Bytes; }
+int cs_q_bf16() { return CS_B16_NATIVE; }  // bf16 pairs by vdpbf16ps
+int64_t cs_q_block_bytes(int wtype) { return wtype == 0 ? kQ4Bytes : wtype == 1 ? kQ8Bytes : kB16Bytes; }
 
 // y[M, N] (row stride ldy, in w->ydtype) = (or +=, with accumulate) prologue(x[M, K]) . W^T (+ bias); x fp32
 // (xdtype 0) or bf16 (1), row stride ldx (2K values a row with w->glu).
@@ -255,7 +264,7 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
                 int accumulate, const void* rope_cos, const void* rope_sin, int64_t rope_cols, int64_t head_dim,
                 int nthreads) {
   const int64_t N = w->N, K = w->K;
-  if (K % kBlock != 0 || N <= 0 || M < 0 || (w->wtype != 0 && w->wtype != 1) ||
+  if (K % kBlock != 0 || N <= 0 || M < 0 || w->wtype < 0 || w->wtype > 2 ||
       xdtype < 0 || xdtype > 1 || w->ydtype < 0 || w->ydtype > 1 || w->packed == nullptr)
     return -1;
   if (rope_cols > 0 && (head_dim <= 0 || head_dim % 2 || head_dim > 1024 || rope_cols % head_dim || rope_cols > N ||
@@ -264,13 +273,15 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   if (M == 0) return 0;
   const size_t ysize = w->ydtype == 0 ? 4 : 2;
   const int64_t nb = K / kBlock;
-  thread_local std::vector<int8_t> qbuf;
+  thread_local std::vector<int8_t> qbuf;  // int8 activations, or bf16 ones (2 bytes each) for weight type 2
   thread_local std::vector<float> fbuf;
-  if (static_cast<int64_t>(qbuf.size()) < M * K) qbuf.resize(M * K);
+  const int64_t xbytes = w->wtype == 2 ? 2 * M * K : M * K;
+  if (static_cast<int64_t>(qbuf.size()) < xbytes) qbuf.resize(xbytes);
   if (static_cast<int64_t>(fbuf.size()) < 2 * M * nb) fbuf.resize(2 * M * nb);
   int8_t* xq = qbuf.data();
   float *xa = fbuf.data(), *xs = fbuf.data() + M * nb;
-  Args g{w->wtype, static_cast<const uint8_t*>(w->packed), N, K, M, xq, xa, xs, y, w->ydtype, ldy, w->bias,
+  uint16_t* xb = reinterpret_cast<uint16_t*>(xq);
+  Args g{w->wtype, static_cast<const uint8_t*>(w->packed), N, K, M, xq, xb, xa, xs, y, w->ydtype, ldy, w->bias,
          accumulate != 0};
   const int64_t units = (N + kGroup - 1) / kGroup;
   if (nthreads < 1) nthreads = 1;
@@ -280,7 +291,11 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
     thread_local std::vector<float> row;
     if (static_cast<int64_t>(row.size()) < K) row.resize(K);
     load_row(static_cast<const char*>(x) + m * ldx * xsize, xdtype, K, w->glu != 0, w->norm_w, w->eps, row.data());
-    quantize_row(row.data(), K, xq + m * K, xa + m * nb, xs + m * nb);
+    if (w->wtype == 2) {
+      bf16_row(row.data(), K, xb + m * K);
+    } else {
+      quantize_row(row.data(), K, xq + m * K, xa + m * nb, xs + m * nb);
+    }
   };
   auto work = [&](int t, int nt) {  // contiguous row-group ranges per thread, activation rows in L2-sized tiles
     const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;

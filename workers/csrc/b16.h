@@ -1,0 +1,86 @@
+// bf16 weights for the block kernel (qmatmul.cpp, weight type 2): y = x . W^T with W kept in bf16, x rounded
+// to bf16, products summed in fp32. One bf16 row of a decode step reads every weight once, so on a CPU this
+// is a memory-bound pass over the weights; oneDNN's blocked bf16 kernel spends its time elsewhere at one row.
+//
+// Packed layout: groups of 8 output rows (N padded with zero rows), blocks of 32 along K, 512 bytes a block:
+// 16 vectors of 32 bytes, vector i = (w[r][2i], w[r][2i + 1]) for the 8 rows r, one 4-byte lane a row, so a
+// lane holds the pair that one `vdpbf16ps` lane multiplies by the broadcast activation pair (x[2i], x[2i + 1]).
+// With AVX512-BF16 (and VL) that is one instruction per vector and activation row; on AVX2 the pair is
+// widened to two fp32 vectors (shift / mask) and two FMAs; elsewhere a scalar loop. The three forms can
+// differ in the last bits of a sum (vdpbf16ps's own rounding of its pair); each is deterministic and
+// batch-invariant: every output is the same sum in the same order whatever M and the threads.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "qact.h"
+
+namespace csq {
+
+constexpr int64_t kB16Bytes = 512;  // one block of 8 rows x 32 values
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define CS_B16_NATIVE 1
+#else
+#define CS_B16_NATIVE 0
+#endif
+
+// 8 rows of one group x MT activation rows (bf16, row stride K); out[m * ldo + r]. Each row sums into two
+// accumulators (even and odd pairs), added at the end: independent chains for the FMA latency.
+template <int MT>
+void group_b16(const uint8_t* pw, int64_t nb, const uint16_t* x, int64_t K, float* out, int64_t ldo) {
+#if CS_Q_AVX2
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+#if !CS_B16_NATIVE
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+#endif
+  for (int64_t b = 0; b < nb; ++b, pw += kB16Bytes) {
+    for (int64_t c = 0; c < kB16Bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(pw) + 2048 + c, _MM_HINT_T0);
+    const uint16_t* xb = x + b * kBlock;
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + 32 * i));
+#if CS_B16_NATIVE
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, xb + m * K + 2 * i, 4);
+        acc[m][i & 1] = _mm256_dpbf16_ps(acc[m][i & 1], (__m256bh)w, (__m256bh)_mm256_set1_epi32(pair));
+      }
+#else
+      const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));  // w[r][2i] as fp32
+      const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));  // w[r][2i + 1]
+      for (int m = 0; m < MT; ++m) {
+        const uint16_t* xp = xb + m * K + 2 * i;
+        acc[m][0] = _mm256_fmadd_ps(lo, _mm256_set1_ps(bf16_to_f(xp[0])), acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(hi, _mm256_set1_ps(bf16_to_f(xp[1])), acc[m][1]);
+      }
+#endif
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, _mm256_add_ps(acc[m][0], acc[m][1]));
+#else
+  float acc[MT][2][8] = {};
+  for (int64_t b = 0; b < nb; ++b, pw += kB16Bytes) {
+    const uint16_t* wv = reinterpret_cast<const uint16_t*>(pw);  // [16 pairs][8 rows][2]
+    for (int i = 0; i < 16; ++i)
+      for (int m = 0; m < MT; ++m) {
+        const uint16_t* xp = x + m * K + b * kBlock + 2 * i;
+        for (int r = 0; r < 8; ++r) {
+          acc[m][0][r] = std::fma(bf16_to_f(wv[(i * 8 + r) * 2]), bf16_to_f(xp[0]), acc[m][0][r]);
+          acc[m][1][r] = std::fma(bf16_to_f(wv[(i * 8 + r) * 2 + 1]), bf16_to_f(xp[1]), acc[m][1][r]);
+        }
+      }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < 8; ++r) out[m * ldo + r] = acc[m][0][r] + acc[m][1][r];
+#endif
+}
+
+// One row of K fp32 values -> K bf16 (round to nearest even).
+inline void bf16_row(const float* f, int64_t K, uint16_t* q) {
+  for (int64_t j = 0; j < K; ++j) q[j] = f_to_bf16(f[j]);
+}
+
+}  // namespace csq
