@@ -54,6 +54,16 @@ def pack_weight(w: torch.Tensor, batch_hint: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
 
+def packing_matches_f_linear(dtype: torch.dtype, batch_hint: int) -> bool:
+    """Whether a packed weight gives ``F.linear``'s result here (bf16: bitwise; fp32: to rounding), on a probe.
+    Raises RuntimeError where ATen lacks the oneDNN ops."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(24, 64, generator=g).to(dtype), torch.randn(24, generator=g).to(dtype)
+    probe = torch.randn(3, 64, generator=g).to(dtype)
+    got, want = packed_linear(pack_weight(w, batch_hint), b)(probe), F.linear(probe, w, b)
+    return torch.equal(got, want) if dtype == torch.bfloat16 else torch.allclose(got, want, 1e-4, 1e-5)
+
+
 def packed_linear(w_packed: torch.Tensor, b: torch.Tensor | None) -> LinearFn:
     """oneDNN linear over a weight from `pack_weight`; b: [N] or None."""
     op = torch.ops.mkldnn._linear_pointwise

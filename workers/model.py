@@ -24,6 +24,7 @@ from chunkserve.workers.linear import (
     onednn_packing_available,
     pack_weight,
     packed_linear,
+    packing_matches_f_linear,
     plain_linear,
 )
 from chunkserve.workers.quant import BlockWeight, Q4Weight, Q8Weight, block_linear
@@ -148,19 +149,15 @@ class CausalLM:
         faster decode matmuls in bf16, 1.4x in fp32 at 2+ rows, lm_head 1.7x). bf16 results are
         bit-identical; fp32 ones differ from MKL's in the last bits (another summation order), like any
         other blocking. One fp32 row on one thread goes through MKL's GEMV (faster there). Costs one
-        extra copy of the dense weights in memory; int8 weights are not packed.
+        extra copy of the dense weights in memory (bf16 with AVX512-BF16: two, the second for decode steps of
+        few rows, `StepPrograms.bind_bf16`); int8 weights are not packed.
         """
         if self._packed is not None:
             return True
         if not onednn_packing_available(self.dtype, self.device):
             return False
         try:
-            g = torch.Generator().manual_seed(0)
-            w, b = torch.randn(24, 64, generator=g).to(self.dtype), torch.randn(24, generator=g).to(self.dtype)
-            probe = torch.randn(3, 64, generator=g).to(self.dtype)
-            got, want = packed_linear(pack_weight(w, batch_hint), b)(probe), F.linear(probe, w, b)
-            same = torch.equal(got, want) if self.dtype == torch.bfloat16 else torch.allclose(got, want, 1e-4, 1e-5)
-            if not same:
+            if not packing_matches_f_linear(self.dtype, batch_hint):
                 return False
 
             def pack(w: Weight) -> torch.Tensor | None:
@@ -172,9 +169,9 @@ class CausalLM:
             self._packed = self._packed_head = None
             return False
         self._batch_hint = batch_hint
-        if self.dtype == torch.bfloat16:  # with AVX512-BF16: one-row decode steps at memory speed
+        if self.dtype == torch.bfloat16:  # with AVX512-BF16: decode steps of few rows at memory speed
             c = self.config
-            self._bf16_programs = StepPrograms.bind_bf16(self.layers, c.rms_norm_eps, c.hidden_size,
+            self._bf16_programs = StepPrograms.bind_bf16(self.layers, self.lm_head, c.rms_norm_eps, c.hidden_size,
                                                          (c.num_heads, c.num_kv_heads, c.head_dim))
         self._bind()
         return True
@@ -397,4 +394,6 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, H] (from `forward`) -> fp32 logits [n, V]."""
+        if (progs := self._bf16_programs) and progs.head and hidden.shape[0] <= BF16_PROGRAM_ROWS and self.step_programs:
+            return progs.head(hidden)  # bf16 weights at memory speed, fp32 logits
         return self._head(hidden).float()

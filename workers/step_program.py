@@ -133,6 +133,7 @@ class StepPrograms:
     def __init__(self, fns: list[tuple[BlockLinear, ...]], hidden: int, heads: tuple[int, int, int],
                  dtype: torch.dtype) -> None:
         self.fns = fns  # per layer: (qkv, o, gate_up, down)
+        self.head: BlockLinear | None = None  # bf16: the lm_head for few rows (fp32 logits), see `bind_bf16`
         self._hidden, self._heads, self._dtype = hidden, heads, dtype
         self._programs: dict[tuple[int, int], StepProgram] = {}  # by (rows, threads)
 
@@ -156,11 +157,12 @@ class StepPrograms:
         return cls(out, hidden, heads, dtype)
 
     @classmethod
-    def bind_bf16(cls, layers: Sequence[LayerLike], eps: float, hidden: int,
+    def bind_bf16(cls, layers: Sequence[LayerLike], lm_head: object, eps: float, hidden: int,
                   heads: tuple[int, int, int]) -> StepPrograms | None:
         """`bind` over `B16Weight` copies of dense bf16 CPU layers, for decode steps of at most
-        `BF16_PROGRAM_ROWS` rows; None without the kernel's native bf16 dot product (AVX512-BF16) or for other
-        weights. The copies cost the layers' weights once more in memory (2 bytes a parameter)."""
+        `BF16_PROGRAM_ROWS` rows, and ``head`` over the lm_head [V, H] if dense bf16 (fp32 logits); None without
+        the kernel's native bf16 dot product (AVX512-BF16) or for other weights. The copies cost those
+        weights once more in memory (2 bytes a parameter)."""
         kern = load_kernel()
         mm = [lw.matmuls() for lw in layers]
         if kern is None or not kern.native_bf16 or not all(
@@ -169,7 +171,11 @@ class StepPrograms:
             return None
         b16 = [_Layer(lw.ln1, lw.ln2, tuple((B16Weight.quantize(w), b) for w, b in m))
                for lw, m in zip(layers, mm, strict=True)]
-        return cls.bind(b16, eps, hidden, heads, torch.bfloat16)
+        progs = cls.bind(b16, eps, hidden, heads, torch.bfloat16)
+        if progs is not None and isinstance(lm_head, torch.Tensor) and lm_head.dtype == torch.bfloat16 \
+                and lm_head.dim() == 2 and lm_head.shape[1] % BLOCK == 0:
+            progs.head = BlockLinear(kern, B16Weight.quantize(lm_head), None, torch.bfloat16, torch.float32)
+        return progs
 
     def _get(self, t: int) -> StepProgram:
         key = (t, torch.get_num_threads())  # a served engine's threads change with its node's load

@@ -304,11 +304,13 @@ def test_client_that_gives_up_on_a_non_streaming_request_aborts_it(server):
     aborted = server.ingress.metrics.request_success.labels(model_name=MODEL, tenant="alpha",
                                                             finished_reason="abort")
     before = aborted._value.get()
-    body = {"model": MODEL, "prompt": "An endless list of numbers: 1, 2, 3,", "max_tokens": 400,
+    body = {"model": MODEL, "prompt": "An endless list of numbers: 1, 2, 3,", "max_tokens": 480,
             "temperature": 1.0, "seed": 11}
+    # a non-streaming answer sends nothing until it ends: 480 decode steps take well over 0.3 s (a bf16 step of
+    # this tiny model is ~1.5 ms on a Zen 4 core; it once took 1 s, the earlier read timeout, which a faster CPU beat)
     with pytest.raises(httpx2.ReadTimeout):
         httpx2.post(server.http_url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-alpha"},
-                    timeout=httpx2.Timeout(60, read=1.0))
+                    timeout=httpx2.Timeout(60, read=0.3))
     st = _wait_idle(server, timeout=5)
     assert st["num_sequences"] == 0 and st["kv_chunks_used"] == 0
     assert aborted._value.get() == before + 1

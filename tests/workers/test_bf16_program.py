@@ -85,6 +85,22 @@ def test_bf16_engine_runs_decode_steps_of_few_rows_as_one_bf16_program_call(monk
     assert max(calls, default=0) <= step_program.BF16_PROGRAM_ROWS  # a step of more rows keeps oneDNN
 
 
+def test_bf16_head_gives_fp32_logits_of_the_onednn_head_for_few_rows() -> None:
+    kern = load_kernel()
+    if kern is None or not kern.native_bf16:
+        pytest.skip("the bf16 program needs AVX512-BF16")
+    model = EngineCore(EngineConfig(model="random:tiny", dtype="bfloat16", chunk_size=16, num_kv_chunks=64)).model
+    progs = model._bf16_programs
+    assert progs is not None and progs.head is not None
+    hidden = torch.randn(step_program.BF16_PROGRAM_ROWS, model.config.hidden_size).bfloat16()
+    got = model.compute_logits(hidden)
+    want = F.linear(hidden.float(), model.lm_head.float())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())  # fp32 sums, not rounded
+    model.step_programs = False
+    assert not torch.equal(model.compute_logits(hidden), got)  # the oneDNN head rounds its output to bf16
+
+
 def test_fp32_models_get_no_bf16_program() -> None:
     core = EngineCore(EngineConfig(model="random:tiny", dtype="float32", chunk_size=16, num_kv_chunks=64))
     assert core.model._bf16_programs is None
