@@ -1,4 +1,5 @@
-"""bf16 weights in the block kernel (`B16Weight`, ``csrc/b16.h``) and the bf16 decode program of few rows."""
+"""bf16 weights in the block kernel (`B16Weight`, ``csrc/b16.h``) and the bf16 decode program of few rows (batch
+and thread invariance: `test_quant_block.py`)."""
 
 from __future__ import annotations
 
@@ -27,23 +28,6 @@ def test_bf16_block_linear_equals_the_fp32_matmul_of_its_bf16_operands(out_dtype
         # fp32 sums of exact bf16 products: only the order of the sums (and a bf16 output's rounding) differ
         tol = 1e-5 if out_dtype == torch.float32 else 8e-3
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
-
-
-def test_bf16_block_linear_rows_do_not_depend_on_the_batch_or_the_thread_count() -> None:
-    g = torch.Generator().manual_seed(6)
-    fn = block_linear(B16Weight.quantize(torch.randn(200, 128, generator=g)), None, torch.bfloat16, torch.float32)
-    x = torch.randn(11, 128, generator=g).bfloat16()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = fn(x)
-        torch.set_num_threads(max(2, threads))
-        many = fn(x)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, many)
-    for i in (0, 7, 8, 10):  # rows of the 8-row tile, of the 2-row one and the last single row
-        assert torch.equal(fn(x[i:i + 1])[0], one[i])
 
 
 def _generate(core: EngineCore, prompts: dict[str, list[int]], tokens: int = 10) -> dict[str, list[float]]:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from chunkserve.workers.config import preset_config
 from chunkserve.workers.engine import EngineConfig, EngineCore
 from chunkserve.workers.model import CausalLM, DenseCausalAttention
-from chunkserve.workers.quant import Q4Weight, Q8Weight, block_linear, load_kernel
+from chunkserve.workers.quant import B16Weight, Q4Weight, Q8Weight, block_linear, load_kernel
 from chunkserve.workers.sampling import SamplingParams
 
 
@@ -68,13 +68,18 @@ def test_block_linear_matches_the_dequantised_matmul_up_to_int8_activation_round
         assert rel < 2e-2, rel  # int8 activations per block of 32: ~0.5% measured
 
 
-def test_block_linear_rows_do_not_depend_on_the_batch_or_the_thread_count() -> None:
+@pytest.mark.parametrize(("cls", "dtype", "rows"), [
+    (Q4Weight, torch.float32, 9),
+    (B16Weight, torch.bfloat16, 11),  # bf16 weights: a tile of 8 rows, then of 2 and of 1
+])
+def test_block_linear_rows_do_not_depend_on_the_batch_or_the_thread_count(cls: type, dtype: torch.dtype,
+                                                                         rows: int) -> None:
     if load_kernel() is None:
         pytest.skip("no C++ compiler: the fallback is F.linear")
     g = torch.Generator().manual_seed(4)
-    qw = Q4Weight.quantize(torch.randn(512, 256, generator=g))
-    fn = block_linear(qw, None, torch.float32)
-    x = torch.randn(9, 256, generator=g)
+    qw = cls.quantize(torch.randn(512, 256, generator=g))
+    fn = block_linear(qw, None, dtype, torch.float32)
+    x = torch.randn(rows, 256, generator=g).to(dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -84,7 +89,7 @@ def test_block_linear_rows_do_not_depend_on_the_batch_or_the_thread_count() -> N
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
-    for i in (0, 4, 8):
+    for i in (0, 4, 7, 8, rows - 1):
         assert torch.equal(fn(x[i:i + 1])[0], one[i])
 
 
