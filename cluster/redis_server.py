@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import shutil
 import socket
 import subprocess
@@ -24,8 +25,31 @@ import redis
 logger = logging.getLogger(__name__)
 
 
+LOW_PORT = 10000  # the lowest port `find_free_port` picks
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (where outgoing connections get their local ports)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
+    """A TCP port that was free on ``host`` a moment ago, picked at random below the kernel's ephemeral range:
+    a port the kernel hands out (``bind(0)``) can go to any outgoing connection before the caller binds it,
+    such as the dozens that Ray opens while it starts, which made a Serve proxy fail to bind now and then."""
+    high = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64 if high > LOW_PORT + 1 else 0):
+        port = rng.randrange(LOW_PORT, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -40,9 +39,9 @@ class Endpoints:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from chunkserve.cluster.redis_server import find_free_port  # below the ephemeral range (see there)
+
+    return find_free_port()
 
 
 def write_tenants(out_dir: Path, n: int) -> tuple[Path, Path]:

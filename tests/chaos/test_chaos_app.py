@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +16,7 @@ import grpc
 import pytest
 from harness import StreamLoad, failures, replica_pids, stream_completion, wait_for
 
-from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.cluster.redis_server import RedisServer, find_free_port
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -32,9 +31,7 @@ REPLACE_TIMEOUT_S = 180.0
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 class Cluster:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 from harness import StreamLoad, failures, stream_completion
+
+from chunkserve.cluster.redis_server import find_free_port
 
 pytestmark = pytest.mark.slow
 
@@ -20,9 +21,7 @@ PROMPTS = [[(17 * k + 5 * i) % 250 + 1 for i in range(40)] for k in range(3)]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path):

@@ -7,7 +7,6 @@ by more than ``max_num_seqs`` later arrivals."""
 from __future__ import annotations
 
 import random
-import socket
 import statistics
 import threading
 import time
@@ -16,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from harness import Outcome, stream_completion
 
-from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.cluster.redis_server import RedisServer, find_free_port
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -28,9 +27,7 @@ MAX_NUM_SEQS = 8
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 @pytest.fixture(scope="module")

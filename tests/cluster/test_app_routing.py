@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import socket
 import threading
 import time
 from collections import Counter
@@ -26,7 +25,7 @@ import yaml
 from chunkserve.client import HTTPClient
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.index import PrefixIndex
-from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.cluster.redis_server import RedisServer, find_free_port
 from chunkserve.router.policy import PolicyConfig, rendezvous_weight
 from chunkserve.router.tenants import hash_api_key, load_tenants
 
@@ -52,9 +51,7 @@ RR_ROUTER = "chunkserve.router.baseline_routers.RoundRobinRouter"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 @pytest.fixture(scope="module")

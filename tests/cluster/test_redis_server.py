@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import socket
+
 import redis
 
+from chunkserve.cluster import redis_server
 from chunkserve.cluster.redis_server import RedisServer
 
 
@@ -30,3 +33,13 @@ def test_restart_reuses_the_port_with_empty_data() -> None:
         assert srv.running
         assert client.get("k") is None  # no persistence
         client.close()
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_can_be_bound() -> None:
+    low = redis_server._ephemeral_low()
+    ports = {redis_server.find_free_port() for _ in range(20)}
+    assert all(redis_server.LOW_PORT <= p < low for p in ports)  # outgoing connections never get these
+    assert len(ports) > 1  # random, not one fixed port
+    for p in list(ports)[:3]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

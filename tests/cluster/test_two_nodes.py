@@ -31,7 +31,7 @@ import yaml
 from chunkserve.client import HTTPClient
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.index import PrefixIndex
-from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.cluster.redis_server import RedisServer, find_free_port
 from chunkserve.router.policy import rendezvous_weight
 from chunkserve.router.tenants import hash_api_key
 
@@ -53,9 +53,7 @@ RAY = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "ray")
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 def _ports() -> list[str]:

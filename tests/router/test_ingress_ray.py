@@ -4,7 +4,6 @@ with ``chunk_hashes=`` (the real in-process engine inside the worker replica).""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 
@@ -14,6 +13,7 @@ import openai
 import pytest
 
 from chunkserve.client import ChunkServeError, GrpcClient
+from chunkserve.cluster.redis_server import find_free_port
 from chunkserve.router.engine_client import HandleEngineClient
 from chunkserve.router.ingress import Ingress, IngressConfig
 from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants
@@ -62,9 +62,7 @@ class Front(Ingress):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 @pytest.fixture(scope="module")

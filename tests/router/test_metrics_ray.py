@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 from collections.abc import Callable, Iterator
 
 import httpx2
 import pytest
 
-from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.cluster.redis_server import RedisServer, find_free_port
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -27,9 +26,7 @@ PROMPT = [(7 * i + 3) % 250 + 1 for i in range(80)]  # 5 full chunks of 16: repe
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 @pytest.fixture(scope="module")

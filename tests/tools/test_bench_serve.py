@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from chunkserve.cluster.redis_server import find_free_port
 from chunkserve.router.local_server import LocalServer, local_ingress
 from chunkserve.tools import bench_serve, report
 from chunkserve.tools.client import RequestRecord, percentile, summarize
@@ -43,9 +44,7 @@ def tokenizer() -> str:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 def test_bench_serve_reports_throughput_latency_and_cached_tokens(server: LocalServer, tokenizer: str,

@@ -19,15 +19,14 @@ import httpx2
 import pytest
 
 from chunkserve.client import GrpcClient, HTTPClient
+from chunkserve.cluster.redis_server import find_free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 def _reader(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> None:

@@ -12,8 +12,9 @@
 // computes the same integer sums and the same fused multiply-adds in the same order.
 //
 // Threads: one OpenMP team (the runtime torch already loaded); rows of x are quantised first, then the
-// output columns are split into contiguous ranges of 8-row groups. Every output element is the same sum in
-// the same order whatever the batch and the thread count (batch-invariant and deterministic).
+// output columns are split into ranges of 8-row groups that the threads take as they come free. Every output
+// element is the same sum in the same order whatever the batch and the thread count (batch-invariant and
+// deterministic).
 #include <omp.h>
 
 #include <cmath>
@@ -297,9 +298,8 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
       quantize_row(row.data(), K, xq + m * K, xa + m * nb, xs + m * nb);
     }
   };
-  auto work = [&](int t, int nt) {  // contiguous row-group ranges per thread, activation rows in L2-sized tiles
-    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
-    for (int64_t m0 = 0; m0 < M; m0 += kTileM) group_range(g, u0, u1, m0, m0 + kTileM < M ? m0 + kTileM : M);
+  auto work = [&]() {  // one thread: every row group, activation rows in L2-sized tiles
+    for (int64_t m0 = 0; m0 < M; m0 += kTileM) group_range(g, 0, units, m0, m0 + kTileM < M ? m0 + kTileM : M);
   };
   auto rope = [&](int64_t m) {
     rope_row(y, w->ydtype, m * ldy, static_cast<const char*>(rope_cos) + m * head_dim * ysize,
@@ -307,7 +307,7 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   };
   if (nthreads == 1) {  // no parallel region to enter (and wait on) for small calls
     for (int64_t m = 0; m < M; ++m) quantize(m);
-    work(0, 1);
+    work();
     for (int64_t m = 0; m < (rope_cols > 0 ? M : 0); ++m) rope(m);
     return 0;
   }
@@ -315,7 +315,14 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) quantize(m);
-    work(omp_get_thread_num(), omp_get_num_threads());
+    // row groups in pieces taken as threads come free: a thread the OS preempts (a served engine shares its cores
+    // with the event loop, ingress and proxy) holds up only the piece it holds, not a fixed share of the call
+    const int64_t pieces = units < 4 * nthreads ? units : 4 * nthreads;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t q = 0; q < pieces; ++q) {
+      const int64_t u0 = units * q / pieces, u1 = units * (q + 1) / pieces;
+      for (int64_t m0 = 0; m0 < M; m0 += kTileM) group_range(g, u0, u1, m0, m0 + kTileM < M ? m0 + kTileM : M);
+    }
     if (rope_cols > 0) {
 #pragma omp barrier
 #pragma omp for schedule(static)
