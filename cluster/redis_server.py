@@ -25,7 +25,7 @@ import redis
 logger = logging.getLogger(__name__)
 
 
-LOW_PORT = 10000  # the lowest port `find_free_port` picks
+LOW_PORT = 20000  # the lowest port `find_free_port` picks: above Ray's worker ports (10002-19999 by default)
 
 
 def _ephemeral_low() -> int:
