@@ -38,12 +38,6 @@ class Endpoints:
     model_name: str = "smollm2-135m-instruct"
 
 
-def free_port() -> int:
-    from chunkserve.cluster.redis_server import find_free_port  # below the ephemeral range (see there)
-
-    return find_free_port()
-
-
 def write_tenants(out_dir: Path, n: int) -> tuple[Path, Path]:
     """A tenants YAML with fresh random keys (stored hashed) and the plain keys as JSON for locust."""
     import yaml
@@ -103,10 +97,11 @@ def wait_ready(ep: Endpoints, timeout_s: float) -> float:
 @contextmanager
 def local_cluster(spec: ClusterSpec, tenants_path: Path | None, keys_path: Path | None) -> Iterator[Endpoints]:
     """Starts Ray, Redis and the Serve app in this process (as `chunkserve up`) and stops them after."""
+    from chunkserve.cluster.redis_server import find_free_port  # below the ephemeral range (see there)
     from chunkserve.router.app import AppConfig
     from chunkserve.tools import launcher
 
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port = find_free_port(), find_free_port()
     opts = launcher.LaunchOptions(http_port=http_port, grpc_port=grpc_port, num_cpus=spec.num_cpus or None)
     with launcher.redis_for(None) as redis_url:
         cfg = AppConfig(workers=spec.workers, model=spec.model or None, engine=dict(spec.engine or {}),

@@ -19,7 +19,10 @@ import pytest
 import yaml
 
 from chunkserve.client import HTTPClient
-from chunkserve.cluster.redis_server import RedisServer, find_free_port
+from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.cluster.redis_server import (
+    find_free_port as _free_port,  # outside Ray's and the kernel's ports
+)
 from chunkserve.router.tenants import hash_api_key
 
 ray = pytest.importorskip("ray")
@@ -42,10 +45,6 @@ def _need_browser() -> None:
         if os.environ.get("CI"):
             pytest.fail("CI needs chromium and playwright (scripts/setup.sh installs both)")
         pytest.skip("no chromium / playwright here (bash scripts/setup.sh dev installs them)")
-
-
-def _free_port() -> int:
-    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,10 @@ import grpc
 import pytest
 from harness import StreamLoad, failures, replica_pids, stream_completion, wait_for
 
-from chunkserve.cluster.redis_server import RedisServer, find_free_port
+from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.cluster.redis_server import (
+    find_free_port as _free_port,  # outside Ray's and the kernel's ports
+)
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -28,10 +31,6 @@ APP = "chunkserve"
 PROMPTS = [[(31 * k + 7 * i) % 250 + 1 for i in range(40)] for k in range(4)]
 MAX_TOKENS = 16
 REPLACE_TIMEOUT_S = 180.0
-
-
-def _free_port() -> int:
-    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 class Cluster:

@@ -12,16 +12,14 @@ import time
 import pytest
 from harness import StreamLoad, failures, stream_completion
 
-from chunkserve.cluster.redis_server import find_free_port
+from chunkserve.cluster.redis_server import (
+    find_free_port as _free_port,  # outside Ray's and the kernel's ports
+)
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-ctrl-c"
 PROMPTS = [[(17 * k + 5 * i) % 250 + 1 for i in range(40)] for k in range(3)]
-
-
-def _free_port() -> int:
-    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path):

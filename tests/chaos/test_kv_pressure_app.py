@@ -15,7 +15,10 @@ from collections.abc import Iterator
 import pytest
 from harness import Outcome, stream_completion
 
-from chunkserve.cluster.redis_server import RedisServer, find_free_port
+from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.cluster.redis_server import (
+    find_free_port as _free_port,  # outside Ray's and the kernel's ports
+)
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -24,10 +27,6 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny-kv"
 MAX_NUM_SEQS = 8
-
-
-def _free_port() -> int:
-    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,10 @@ import yaml
 from chunkserve.client import HTTPClient
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.index import PrefixIndex
-from chunkserve.cluster.redis_server import RedisServer, find_free_port
+from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.cluster.redis_server import (
+    find_free_port as _free_port,  # outside Ray's and the kernel's ports
+)
 from chunkserve.router.policy import PolicyConfig, rendezvous_weight
 from chunkserve.router.tenants import hash_api_key, load_tenants
 
@@ -48,10 +51,6 @@ SPILL = {"spill_abs": 2, "spill_rel": 1.5, "spill_per_chunk": 0.0}  # the spill 
 MAX_SHARE = 0.7
 PA_ROUTER = "chunkserve.router.request_router.PrefixAwareRouter"
 RR_ROUTER = "chunkserve.router.baseline_routers.RoundRobinRouter"
-
-
-def _free_port() -> int:
-    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 @pytest.fixture(scope="module")

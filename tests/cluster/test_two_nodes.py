@@ -31,7 +31,10 @@ import yaml
 from chunkserve.client import HTTPClient
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.index import PrefixIndex
-from chunkserve.cluster.redis_server import RedisServer, find_free_port
+from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.cluster.redis_server import (
+    find_free_port as _free_port,  # outside Ray's and the kernel's ports
+)
 from chunkserve.router.policy import rendezvous_weight
 from chunkserve.router.tenants import hash_api_key
 
@@ -50,10 +53,6 @@ TENANTS = ["acme", "globex", "initech"]
 # sets RAY_AUTH_MODE here, and the mode it read cannot be changed back within the process.
 AUTH_ENV = "RAY_AUTH_MODE"
 RAY = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "ray")
-
-
-def _free_port() -> int:
-    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 def _ports() -> list[str]:

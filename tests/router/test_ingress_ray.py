@@ -13,7 +13,9 @@ import openai
 import pytest
 
 from chunkserve.client import ChunkServeError, GrpcClient
-from chunkserve.cluster.redis_server import find_free_port
+from chunkserve.cluster.redis_server import (
+    find_free_port as _free_port,  # outside Ray's and the kernel's ports
+)
 from chunkserve.router.engine_client import HandleEngineClient
 from chunkserve.router.ingress import Ingress, IngressConfig
 from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants
@@ -59,10 +61,6 @@ class Front(Ingress):
         tokenizer = load_model(ECFG.model).tokenizer
         super().__init__(HandleEngineClient(worker), tokenizer, TenantRegistry(parse_tenants(TENANTS)),
                          IngressConfig(MODEL, max_model_len=256, chunk_size=16))
-
-
-def _free_port() -> int:
-    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,10 @@ from collections.abc import Callable, Iterator
 import httpx2
 import pytest
 
-from chunkserve.cluster.redis_server import RedisServer, find_free_port
+from chunkserve.cluster.redis_server import RedisServer
+from chunkserve.cluster.redis_server import (
+    find_free_port as _free_port,  # outside Ray's and the kernel's ports
+)
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -23,10 +26,6 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny-metrics"
 REPORT_INTERVAL_ENV = "RAY_metrics_report_interval_ms"
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(80)]  # 5 full chunks of 16: repeats hit the prefix cache
-
-
-def _free_port() -> int:
-    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 @pytest.fixture(scope="module")

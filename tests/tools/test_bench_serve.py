@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from chunkserve.cluster.redis_server import find_free_port
+from chunkserve.cluster.redis_server import (
+    find_free_port as _free_port,  # outside Ray's and the kernel's ports
+)
 from chunkserve.router.local_server import LocalServer, local_ingress
 from chunkserve.tools import bench_serve, report
 from chunkserve.tools.client import RequestRecord, percentile, summarize
@@ -41,10 +43,6 @@ def server() -> Iterator[LocalServer]:
 def tokenizer() -> str:
     """The embedded model's tokenizer.json, found once (a child process that imports torch)."""
     return str(embedded_tokenizer_json())
-
-
-def _free_port() -> int:
-    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 def test_bench_serve_reports_throughput_latency_and_cached_tokens(server: LocalServer, tokenizer: str,

@@ -19,14 +19,12 @@ import httpx2
 import pytest
 
 from chunkserve.client import GrpcClient, HTTPClient
-from chunkserve.cluster.redis_server import find_free_port
+from chunkserve.cluster.redis_server import (
+    find_free_port as _free_port,  # outside Ray's and the kernel's ports
+)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    return find_free_port()  # below the ephemeral range: Ray cannot take it meanwhile
 
 
 def _reader(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> None:

@@ -289,6 +289,10 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   if (nthreads > units) nthreads = static_cast<int>(units);
   const size_t xsize = xdtype == 0 ? 4 : 2;
   auto quantize = [&](int64_t m) {
+    if (w->wtype == 2 && xdtype == 1 && w->glu == 0 && w->norm_w == nullptr) {  // already the bf16 it needs
+      std::memcpy(xb + m * K, static_cast<const char*>(x) + m * ldx * xsize, K * sizeof(uint16_t));
+      return;
+    }
     thread_local std::vector<float> row;
     if (static_cast<int64_t>(row.size()) < K) row.resize(K);
     load_row(static_cast<const char*>(x) + m * ldx * xsize, xdtype, K, w->glu != 0, w->norm_w, w->eps, row.data());
