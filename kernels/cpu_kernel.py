@@ -113,7 +113,7 @@ class CpuDecodeKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        if lib.cs_abi_version() != 6:
+        if lib.cs_abi_version() != 7:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -123,7 +123,7 @@ class CpuDecodeKernel:
         self._fn = fn
         runs = lib.cs_run_attention
         runs.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, *[i64] * 8, ptr, ptr, ptr, ptr,
-                         ctypes.c_int, i64]
+                         ctypes.c_int, i64, ctypes.c_float]
         runs.restype = ctypes.c_int
         self._runs = runs
         layer = lib.cs_decode_layer
@@ -254,7 +254,7 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
                     DTYPE_CODES[k_pool_l.dtype], table.rows.data_ptr(), table.cptr.data_ptr(),
                     table.chunks.data_ptr(), table.tokens.data_ptr(), n_runs, b, hkv, g, d, c, nsplit, mmax,
                     None if so is None else so.data_ptr(), None if slse is None else slse.data_ptr(),
-                    part_o.data_ptr(), part_lse.data_ptr(), threads, int(one_slot) | 2 * int(accumulate))
+                    part_o.data_ptr(), part_lse.data_ptr(), threads, int(one_slot) | 2 * int(accumulate), scale)
     if rc != 0:
         raise RuntimeError(f"cs_run_attention failed with code {rc} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")
 

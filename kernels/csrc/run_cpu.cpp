@@ -20,12 +20,17 @@
 #include <vector>
 #include <omp.h>
 
+#include "run_bf16.h"
 #include "simd.h"
 
 namespace {
 
 using cs::kW;
 using cs::vf;
+using cs_dp::exp_pairs;
+using cs_dp::pack_values;
+using cs_dp::pv_pairs;
+using cs_dp::scores_pairs;
 
 struct RunArgs {
   const float* q;          // [b, hkv, g, d] fp32, pre-scaled
@@ -42,6 +47,7 @@ struct RunArgs {
   float* o;                // [R, b, hkv, g, d]
   float* lse;              // [R, b, hkv, g]
   int64_t flags;           // kOneSlot | kAccumulate
+  float qscale;            // the scale q was multiplied by (the bf16 pair path packs q / qscale, then scales S)
 };
 
 constexpr int64_t kOneSlot = 1;     // every run writes slot 0 (their rows are disjoint)
@@ -81,7 +87,18 @@ inline void put_row(const RunArgs& a, const float* acc, float m, float l, float*
 
 struct Scratch {
   std::vector<float> qt, acc, m, l, st, kf, vf_;
+  std::vector<uint32_t> pp, vp;  // bf16 pairs of probabilities and values (run_bf16.h)
 };
+
+// bf16 chunks multiply bf16 pairs with vdpbf16ps where the CPU has it (run_bf16.h), else fp32 FMAs.
+#ifdef CS_RUN_DPBF16
+template <typename T> constexpr bool kPairs = std::is_same_v<T, cs::Bf16> && kW == 16;
+#else
+template <typename T> constexpr bool kPairs = false;
+#endif
+// their tiles: 16 accumulators for 2-vector row blocks, 12 for 3; key tiles that divide a 64-token chunk
+template <int NV> constexpr int kPairKU = NV == 3 ? 4 : 8;
+template <int NV> constexpr int kPairRU = NV == 3 ? 6 : 8;
 
 // Register tiles. A row block holds MB = NV * kW query rows. Scores: KU keys x NV vectors of rows;
 // P@V: RU rows x 2 vectors of D. Both keep 8-12 accumulators and load about 2 values per 3 FMAs.
@@ -188,12 +205,20 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
   const int64_t d = a.d, i = a.rows[2 * r], M = (a.rows[2 * r + 1] - i) * a.g;
   const int64_t nrb = (M + MB - 1) / MB, Mp = nrb * MB;
   const float ninf = -std::numeric_limits<float>::infinity();
-  float* qt = w.qt.data();  // [nrb, d, MB]
+  float* qt = w.qt.data();  // [nrb, d, MB] fp32, or [nrb, d/2, MB] bf16 pairs
+  uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
+  const float rs = 1.f / a.qscale;  // bf16 queries (a bf16 model's) come back exactly: q * s * (1 / s) rounds to q
   for (int64_t rb = 0; rb < nrb; ++rb)
     for (int64_t x = 0; x < MB; ++x) {
       const int64_t row = rb * MB + x;
       const float* src = row < M ? qrow(a, i, h, row) : nullptr;
-      for (int64_t j = 0; j < d; ++j) qt[(rb * d + j) * MB + x] = src ? src[j] : 0.f;
+      if constexpr (kPairs<T>) {
+        for (int64_t j = 0; j < d; j += 2)
+          qp[(rb * d / 2 + j / 2) * MB + x] =
+              src ? cs::bf16_bits(src[j] * rs) | (static_cast<uint32_t>(cs::bf16_bits(src[j + 1] * rs)) << 16) : 0u;
+      } else {
+        for (int64_t j = 0; j < d; ++j) qt[(rb * d + j) * MB + x] = src ? src[j] : 0.f;
+      }
     }
   float *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data(), *st = w.st.data();
   std::memset(acc, 0, sizeof(float) * Mp * d);
@@ -206,10 +231,20 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
     const int64_t nt = a.tokens[c0 + p];
     if (nt <= 0) continue;
     const int64_t ch = a.chunks[c0 + p];
-    const float* kc = as_f32(kbase + ch * a.cs, nt * d, w.kf);
-    const float* vc = as_f32(vbase + ch * a.cs, nt * d, w.vf_);
+    const float* kc = nullptr;
+    const float* vc = nullptr;
+    if constexpr (kPairs<T>) {
+      pack_values(reinterpret_cast<const uint16_t*>(vbase + ch * a.cs), nt, d, w.vp.data());
+    } else {
+      kc = as_f32(kbase + ch * a.cs, nt * d, w.kf);
+      vc = as_f32(vbase + ch * a.cs, nt * d, w.vf_);
+    }
     for (int64_t rb = 0; rb < nrb; ++rb) {
-      scores<NV>(qt + rb * d * MB, kc, nt, d, st);
+      if constexpr (kPairs<T>)
+        scores_pairs<MB, kPairKU<NV>>(qp + rb * d / 2 * MB, reinterpret_cast<const uint16_t*>(kbase + ch * a.cs),
+                                       nt, d, a.qscale, st);
+      else
+        scores<NV>(qt + rb * d * MB, kc, nt, d, st);
       float* mr = m + rb * MB;
       float* lr = l + rb * MB;
       float* ar = acc + rb * MB * d;
@@ -220,10 +255,14 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
         for (int64_t t = 1; t < nt; ++t) mx = cs::vmax(mx, cs::load(st + t * MB + o));
         const vf mo = cs::load(mr + o), mn = cs::vmax(mo, mx);
         vf sum{};
-        for (int64_t t = 0; t < nt; ++t) {
-          const vf e = cs::vexp(cs::load(st + t * MB + o) - mn);
-          cs::store(st + t * MB + o, e);
-          sum += e;
+        if constexpr (kPairs<T>) {
+          sum = exp_pairs<MB>(st, nt, o, mn, w.pp.data());
+        } else {
+          for (int64_t t = 0; t < nt; ++t) {
+            const vf e = cs::vexp(cs::load(st + t * MB + o) - mn);
+            cs::store(st + t * MB + o, e);
+            sum += e;
+          }
         }
         const vf al = cs::vexp(mo - mn);  // 0 where m was -inf
         cs::store(lr + o, cs::load(lr + o) * al + sum);
@@ -236,7 +275,11 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
         const vf av = cs::splat(alpha[x]);
         for (int64_t jd = 0; jd < d; jd += kW) cs::store(ox + jd, cs::load(ox + jd) * av);
       }
-      pv<NV>(st, vc, nt, d, ar);
+      if constexpr (kPairs<T>) {
+        pv_pairs<MB, kPairRU<NV>>(w.pp.data(), w.vp.data(), (nt + 1) / 2, d, ar);
+      } else {
+        pv<NV>(st, vc, nt, d, ar);
+      }
     }
   }
   const bool direct = a.nsplit == 1;
@@ -292,7 +335,10 @@ void run(const RunArgs& a, int nthreads) {
     w.m.resize(mp);
     w.l.resize(mp);
     w.st.resize(a.c * MB);
-    if constexpr (!std::is_same_v<T, float>) {
+    if constexpr (kPairs<T>) {
+      w.pp.resize((a.c + 1) / 2 * MB);
+      w.vp.resize((a.c + 1) / 2 * a.d);
+    } else if constexpr (!std::is_same_v<T, float>) {
       w.kf.resize(a.c * a.d);
       w.vf_.resize(a.c * a.d);
     }
@@ -313,16 +359,18 @@ extern "C" {
 int cs_vector_width() { return kW; }
 
 // dtype: 0 fp32, 1 bf16, 2 fp16; flags: kOneSlot (1) writes every run into slot 0, kAccumulate (2, with
-// kOneSlot) merges into the (o, lse) there. Returns 0, or a negative code for unsupported arguments.
+// kOneSlot) merges into the (o, lse) there; q arrives multiplied by qscale (> 0). Returns 0, or a negative
+// code for unsupported arguments.
 int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
                      const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
                      int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
-                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t flags) {
-  if (d < 1 || d % kW != 0 || c < 1 || nsplit < 1 || g < 1) return -1;
+                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t flags,
+                     float qscale) {
+  if (d < 1 || d % kW != 0 || c < 1 || nsplit < 1 || g < 1 || !(qscale > 0.f)) return -1;
   if ((flags & kAccumulate) && !(flags & kOneSlot)) return -4;
   if (nsplit > 1 && (so == nullptr || slse == nullptr)) return -2;
   const RunArgs a{q, k, v, hs, cs, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so, slse, o, lse,
-                  flags};
+                  flags, qscale};
   if (nthreads < 1) nthreads = 1;
   // row blocks of 3 vectors (the better tile) unless 2 pad the runs' rows less
   int64_t pad2 = 0, pad3 = 0;

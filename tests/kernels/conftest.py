@@ -109,7 +109,9 @@ def rel_err(o: torch.Tensor, ref: torch.Tensor) -> float:
     return float((o64 - ref).norm() / ref.norm())
 
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}
+# bf16: the output's own rounding (~1.1e-3 rms) plus, where the CPU has AVX512-BF16, the phase-1 kernel's
+# probabilities rounded to bf16 before P @ V (~1.1e-3 more, as ATen's and FlashAttention's bf16 kernels do)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-3}
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ def test_nested_runs_match_float64_references_and_leave_other_rows_alone(check, 
     for cl, tl in zip(chunk_lists, token_lists, strict=True):
         _fill(gen, k_pool, v_pool, list(cl), list(tl))
     table = RunTable.build(runs, chunk_lists, token_lists)
-    q = torch.randn(b, hkv, g, d, generator=gen)
+    q = torch.randn(b, hkv, g, d, generator=gen).to(dtype).float()  # a model's queries are in its pool's dtype
     part_o = torch.full((4, b, hkv, g, d), 7.0)
     part_lse = torch.full((4, b, hkv, g), 7.0)
     old = torch.get_num_threads()
