@@ -70,6 +70,34 @@ def test_nested_runs_match_float64_references_and_leave_other_rows_alone(check, 
     assert (part_o[3] == 7.0).all()  # a slot past the runs is never written
 
 
+@pytest.mark.parametrize("d", [16, 80, 128])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_bf16_runs_match_references_for_head_dims_off_the_pair_tiles_and_any_scale(check, d, scale):
+    """bf16 chunks take the vdpbf16ps path where the CPU has AVX512-BF16: head dims that leave a 16-wide tail of
+    the 32-wide P@V tile (16, 80), odd token counts (an unpaired last key) and a softmax scale other than
+    d^-0.5 (queries are packed unscaled, the scores scaled) all match the float64 reference."""
+    if d % cpu_kernel.load_cpu_kernel().vector_width:
+        pytest.skip("head dim is not a multiple of this CPU's vector width")
+    gen = torch.Generator().manual_seed(d)
+    b, hkv, g, c = 7, 2, 2, 16
+    sc = d**-0.5 if scale is None else scale
+    k_pool, v_pool = _pools(gen, hkv, 32, c, d, torch.bfloat16)
+    chunks, tokens = (5, 17, 2, 30), (c, c, 11, 5)
+    _fill(gen, k_pool, v_pool, list(chunks), list(tokens))
+    table = RunTable.build([(0, b)], [chunks], [tokens])
+    q = torch.randn(b, hkv, g, d, generator=gen).to(torch.bfloat16).float()
+    part_o, part_lse = torch.full((1, b, hkv, g, d), 7.0), torch.full((1, b, hkv, g), 7.0)
+    run_attention(cpu_kernel.load_cpu_kernel(), q, k_pool, v_pool, table, sc, part_o, part_lse, Workspace())
+    keys = torch.cat([k_pool[:, ch, :nt] for ch, nt in zip(chunks, tokens, strict=True)], 1)  # [Hkv, T, D]
+    vals = torch.cat([v_pool[:, ch, :nt] for ch, nt in zip(chunks, tokens, strict=True)], 1)
+    for h in range(hkv):
+        qh = q[:, h].reshape(-1, d)
+        ref = sdpa_reference(qh, keys[h : h + 1], vals[h : h + 1], sc)
+        assert check.rel_err(part_o[0, :, h].reshape(-1, d), ref) < check.tol[torch.bfloat16], h
+        lse = torch.logsumexp((qh.double() @ keys[h].double().T) * sc, -1)
+        assert torch.allclose(part_lse[0, :, h].reshape(-1).double(), lse, atol=1e-3), h
+
+
 @pytest.mark.parametrize("threads", [2, 4])
 def test_one_long_run_with_few_heads_is_split_and_merged_exactly(check, threads, monkeypatch):
     """Runs x heads < 4 threads: the run's chunks are split into ranges merged by log-sum-exp."""
