@@ -19,6 +19,7 @@
 #include <limits>
 #include <omp.h>
 
+#include "decode_tiles.h"
 #include "simd.h"
 
 namespace {
@@ -28,6 +29,7 @@ using cs::to_f;
 
 constexpr int64_t kMaxG = 32;     // query heads per KV head
 constexpr int64_t kMaxC = 256;    // chunk size
+static_assert(kMaxC == cs_tile::kRowStride, "the tiles address scores by this stride");
 constexpr int64_t kMaxD = 256;    // head dim
 constexpr int64_t kMaxSlots = 64;  // partials merged per row by a fused TPP layer (shared runs + 1)
 
@@ -67,37 +69,18 @@ void run_item(const Args& a, int64_t row, int64_t h, int64_t s, float* o_dst, fl
     if (nt <= 0) continue;
     const T* kc = kbase + static_cast<int64_t>(tab[p]) * a.cs;
     const T* vc = vbase + static_cast<int64_t>(tab[p]) * a.cs;
-    for (int64_t gi = 0; gi < g; ++gi) {  // scores: sc[gi, t] = q_gi . k_t, 4 keys at a time (ILP)
-      const float* qg = q + gi * d;
-      float* sg = sc + gi * kMaxC;
-      int64_t t = 0;
-      for (; t + 4 <= nt; t += 4) {
-        const T* k0 = kc + t * d;
-        const T* k1 = k0 + d;
-        const T* k2 = k1 + d;
-        const T* k3 = k2 + d;
-        float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-        for (int64_t j = 0; j < d; ++j) {
-          const float qj = qg[j];
-          d0 += qj * to_f(k0[j]);
-          d1 += qj * to_f(k1[j]);
-          d2 += qj * to_f(k2[j]);
-          d3 += qj * to_f(k3[j]);
-        }
-        sg[t] = d0;
-        sg[t + 1] = d1;
-        sg[t + 2] = d2;
-        sg[t + 3] = d3;
-      }
-      for (; t < nt; ++t) {
-        const T* kt = kc + t * d;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t j = 0; j < d; ++j) dot += qg[j] * to_f(kt[j]);
-        sg[t] = dot;
+    if (p + 1 < p1 && tok[p + 1] > 0) {  // the next chunk lies anywhere in the pool: fetch it while this one runs
+      const char* nk = reinterpret_cast<const char*>(kbase + static_cast<int64_t>(tab[p + 1]) * a.cs);
+      const char* nv = reinterpret_cast<const char*>(vbase + static_cast<int64_t>(tab[p + 1]) * a.cs);
+      const int64_t bytes = tok[p + 1] * d * static_cast<int64_t>(sizeof(T));
+      for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(nk + off, 0, 2);
+        __builtin_prefetch(nv + off, 0, 2);
       }
     }
+    cs_tile::by_groups(g, [&](int64_t g0, auto gb) {  // scores: sc[gi, t] = q_gi . k_t
+      cs_tile::scores<T, decltype(gb)::value>(q + g0 * d, kc, nt, d, sc + g0 * kMaxC);
+    });
     for (int64_t gi = 0; gi < g; ++gi) {  // online softmax, one rescale per chunk
       float* sg = sc + gi * kMaxC;
       float bm = sg[0];
@@ -127,15 +110,9 @@ void run_item(const Args& a, int64_t row, int64_t h, int64_t s, float* o_dst, fl
       }
       l[gi] += sum;
     }
-    for (int64_t t = 0; t < nt; ++t) {  // acc[gi] += p[gi, t] * v_t
-      const T* vt = vc + t * d;
-      for (int64_t gi = 0; gi < g; ++gi) {
-        const float pw = sc[gi * kMaxC + t];
-        float* ag = acc + gi * d;
-#pragma omp simd
-        for (int64_t j = 0; j < d; ++j) ag[j] += pw * to_f(vt[j]);
-      }
-    }
+    cs_tile::by_groups(g, [&](int64_t g0, auto gb) {  // acc[gi] += p[gi, t] * v_t
+      cs_tile::pv<T, decltype(gb)::value>(sc + g0 * kMaxC, vc, nt, d, acc + g0 * d);
+    });
   }
   for (int64_t gi = 0; gi < g; ++gi) {
     float* od = o_dst + gi * d;
