@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from chunkserve import env
+from chunkserve.kernels.cpu_kernel import FLAGS
 from chunkserve.workers.config import preset_config
 from chunkserve.workers.engine import EngineConfig, EngineCore
 from chunkserve.workers.model import CausalLM, DenseCausalAttention
-from chunkserve.workers.quant import B16Weight, Q4Weight, Q8Weight, block_linear, load_kernel
+from chunkserve.workers.quant import (
+    SOURCE,
+    B16Weight,
+    BlockLinear,
+    Q4Weight,
+    Q8Weight,
+    QKernel,
+    block_linear,
+    load_kernel,
+)
 from chunkserve.workers.sampling import SamplingParams
 
 
@@ -91,6 +105,28 @@ def test_block_linear_rows_do_not_depend_on_the_batch_or_the_thread_count(cls: t
     assert torch.equal(one, many)
     for i in (0, 4, 7, 8, rows - 1):
         assert torch.equal(fn(x[i:i + 1])[0], one[i])
+
+
+@pytest.mark.parametrize("off", [("-mno-avx512vnni",), ("-mno-avx2", "-mno-avx512f", "-mno-fma")],
+                         ids=["no-vnni", "scalar"])
+def test_block_linear_outputs_are_bitwise_the_same_whatever_the_isa_it_was_built_for(
+        tmp_path: Path, off: tuple[str, ...]) -> None:
+    # the block sums are exact integers (vpdpbusd, vpmaddubsw or a scalar loop) and the float steps after them
+    # are the same, so a build without VNNI (or without any SIMD) must agree to the bit with this CPU's build
+    kern, cxx = load_kernel(), env.cxx_compiler()
+    if kern is None or cxx is None:
+        pytest.skip("no C++ compiler: the fallback is F.linear")
+    lib = tmp_path / "qmatmul_off.so"
+    subprocess.run([cxx, *FLAGS, *off, str(SOURCE), "-o", str(lib)], check=True, capture_output=True, timeout=300)
+    other = QKernel(lib)
+    g = torch.Generator().manual_seed(9)
+    for cls in (Q4Weight, Q8Weight):
+        qw = cls.quantize(_weight(40, 96, 5))  # 5 row groups: the last one padded
+        b = torch.randn(40, generator=g)
+        for rows in (1, 3, 4, 9):
+            x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+            want = BlockLinear(kern, qw, b, torch.bfloat16, torch.float32)(x)
+            assert torch.equal(BlockLinear(other, qw, b, torch.bfloat16, torch.float32)(x), want), (cls, rows)
 
 
 def test_block_quantisation_rejects_input_sizes_that_are_not_multiples_of_32() -> None:

@@ -41,6 +41,16 @@ constexpr int64_t kTileM = 64;  // activation rows per tile (64 x K int8 stays i
 constexpr int64_t kGroup = 8;
 constexpr int64_t kQ4Bytes = 160, kQ8Bytes = 272;
 
+// With AVX512-VNNI (and VL), one `vpdpbusd` (unsigned bytes x signed bytes, 4 products into each int32 lane)
+// replaces vpmaddubsw + vpaddw (+ vpmaddwd). The block sums are exact integers either way, so the outputs are
+// bitwise the same; int4 steps of 4 rows a tile run ~1.2x faster, one row about the same (memory-bound there).
+// (A 512-bit form over two row groups was tried: no faster in cache, 2x slower on weights beyond L3 on Zen 4.)
+#if CS_Q_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CS_Q_VNNI 1
+#else
+#define CS_Q_VNNI 0
+#endif
+
 #if CS_Q_AVX2
 constexpr int64_t kPrefetch = 1024;  // bytes ahead of the block being read
 
@@ -61,21 +71,30 @@ void group_q4(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const 
     _mm_prefetch(reinterpret_cast<const char*>(pw) + kPrefetch, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(pw) + kPrefetch + 64, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(pw) + kPrefetch + 128, _MM_HINT_T0);
-    __m256i p16[MT];
-    for (int m = 0; m < MT; ++m) p16[m] = _mm256_setzero_si256();
+    __m256i p16[MT], q32[MT];  // VNNI: int32 sums of the low (p16) and high (q32) nibbles, two chains
+    for (int m = 0; m < MT; ++m) p16[m] = q32[m] = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + 32 * i));
       const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
       for (int m = 0; m < MT; ++m) {  // int16 sums stay within 8 * 2 * 15 * 127: no saturation
         const int8_t* xb = xq + m * K + b * kBlock + 4 * i;
+#if CS_Q_VNNI
+        p16[m] = _mm256_dpbusd_epi32(p16[m], lo, bcast4(xb));
+        q32[m] = _mm256_dpbusd_epi32(q32[m], hi, bcast4(xb + 16));
+#else
         p16[m] = _mm256_add_epi16(p16[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb)),
                                                            _mm256_maddubs_epi16(hi, bcast4(xb + 16))));
+#endif
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 128)));
     const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 144)));
     for (int m = 0; m < MT; ++m) {
+#if CS_Q_VNNI
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(p16[m], q32[m]));
+#else
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16[m], ones));
+#endif
       acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xa[m * nb + b])), acc[m]);
       acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[m * nb + b]), acc[m]);
     }
@@ -98,7 +117,11 @@ void group_q8(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const 
       const __m256i aw = _mm256_sign_epi8(w, w);  // |w|: vpmaddubsw needs an unsigned operand
       for (int m = 0; m < MT; ++m) {  // one pair sum is at most 2 * 127 * 127: widen before adding
         const __m256i xv = _mm256_sign_epi8(bcast4(xq + m * K + b * kBlock + 4 * i), w);
+#if CS_Q_VNNI
+        p32[m] = _mm256_dpbusd_epi32(p32[m], aw, xv);
+#else
         p32[m] = _mm256_add_epi32(p32[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+#endif
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 256)));
@@ -251,6 +274,7 @@ struct CsQWeight {
 
 int cs_q_abi_version() { return 7; }
 int cs_q_simd() { return CS_Q_AVX2; }
+int cs_q_vnni() { return CS_Q_VNNI; }  // block sums by vpdpbusd
 int cs_q_bf16() { return CS_B16_NATIVE; }  // bf16 pairs by vdpbf16ps
 int64_t cs_q_block_bytes(int wtype) { return wtype == 0 ? kQ4Bytes : wtype == 1 ? kQ8Bytes : kB16Bytes; }
 
