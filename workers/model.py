@@ -93,8 +93,7 @@ class CausalLM:
         self._packed: list[tuple[torch.Tensor | None, ...]] | None = None  # oneDNN-blocked weights (prepack)
         self._packed_head: torch.Tensor | None = None
         self._batch_hint = 32
-        # the bound matmuls of every layer (qkv, o, gate_up, down): for one row on one thread, and otherwise
-        # per layer (qkv, o, gate_up, down): LinearFns, or with the fused int4 path f(x, h, rope=...) calls
+        # per layer (qkv, o, gate_up, down), for one row on one thread and otherwise: LinearFns, or f(x, h, rope=...)
         self._fns_row: list[tuple[Callable[..., torch.Tensor], ...]] = []
         self._fns_rows: list[tuple[Callable[..., torch.Tensor], ...]] = []
         self._head: LinearFn = plain_linear(embed, None)
@@ -141,6 +140,8 @@ class CausalLM:
             self._head = block_linear(self.lm_head, None, self.dtype, torch.float32)
         else:
             self._head = self._linear_fns(self.lm_head, None, self._packed_head)[1]  # as fast or faster there
+        if self._programs is not None:  # the layers' and the head's block weights in one stream
+            self._programs.gather(self._head)
 
     def prepack(self, batch_hint: int = 32) -> bool:
         """Reorder the dense matmul weights once into oneDNN's blocked layout (CPU fp32/bf16); returns whether.

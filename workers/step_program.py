@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from chunkserve.kernels.cpu_layer import FusedDecodeLayer
+from chunkserve.workers.arena import WeightArena
 from chunkserve.workers.quant import (
     BLOCK,
     B16Weight,
@@ -136,6 +137,7 @@ class StepPrograms:
         self.head: BlockLinear | None = None  # bf16: the lm_head for few rows (fp32 logits), see `bind_bf16`
         self._hidden, self._heads, self._dtype = hidden, heads, dtype
         self._programs: dict[tuple[int, int], StepProgram] = {}  # by (rows, threads)
+        self.arena: WeightArena | None = None  # the weights in one block, in program order (`gather`)
 
     @classmethod
     def bind(cls, layers: Sequence[LayerLike], eps: float, hidden: int, heads: tuple[int, int, int],
@@ -175,7 +177,16 @@ class StepPrograms:
         if progs is not None and isinstance(lm_head, torch.Tensor) and lm_head.dtype == torch.bfloat16 \
                 and lm_head.dim() == 2 and lm_head.shape[1] % BLOCK == 0:
             progs.head = BlockLinear(kern, B16Weight.quantize(lm_head), None, torch.bfloat16, torch.float32)
+        if progs is not None:
+            progs.gather()
         return progs
+
+    def gather(self, *extra: object) -> None:
+        """Lay the weights of every layer, then ``head`` and the ``extra`` kernel calls (a model's lm_head), out
+        in one `WeightArena`: a decode step then reads them as one stream (on huge pages where allowed)."""
+        calls = [f for layer in self.fns for f in layer]
+        calls += [c for c in (self.head, *extra) if isinstance(c, BlockLinear)]
+        self.arena = WeightArena.gather(calls)
 
     def _get(self, t: int) -> StepProgram:
         key = (t, torch.get_num_threads())  # a served engine's threads change with its node's load

@@ -1,0 +1,68 @@
+"""One memory block for a model's kernel-packed weights, laid out in the order a decode step reads them.
+
+A lone decode stream reads every weight once per token, so on a CPU its linears are a memory stream. Packed
+one tensor each, the ~120 weights of SmolLM2 lie wherever the allocator put them, in 4 KiB pages: the stream
+restarts at each weight and takes a TLB miss every 4 KiB. `WeightArena.gather` copies them into one block in
+program order (layer by layer, the lm_head last), on 2 MiB pages where the kernel allows (transparent huge
+pages by ``madvise``; a private anonymous mapping, since shared ones follow the shmem setting), and points the
+bound calls at the copies. Measured on a 2-core Zen 4 EPYC, SmolLM2's int4 linears at one row: 5.59 ms a
+token scattered, 5.02 ms in one block on 4 KiB pages, 4.58 ms on 2 MiB pages (one thread); 4.48 -> 3.82 ms on
+two. The results are bitwise the same (the same bytes, elsewhere).
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+HUGE_PAGE = 2 << 20
+ALIGN = 64  # each weight starts on a cache line
+
+
+class Relocatable(Protocol):
+    """A bound call over a packed weight tensor ``w`` whose address it keeps in ``args.packed``."""
+
+    w: torch.Tensor
+
+    @property
+    def args(self) -> Any: ...
+
+
+class WeightArena:
+    """The block (kept alive by the weights' views into it) and how it is backed."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.huge = False
+        self._map: mmap.mmap | None = None
+        try:  # private anonymous memory, 2 MiB-aligned inside the mapping, advised as huge pages
+            self._map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+                self.huge = True
+            raw = torch.frombuffer(self._map, dtype=torch.uint8)
+            start = -raw.data_ptr() % HUGE_PAGE
+            self.buf = raw[start:start + nbytes]
+        except (OSError, ValueError, AttributeError):  # no such mapping here: one ordinary tensor
+            self._map, self.huge = None, False
+            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+
+    @classmethod
+    def gather(cls, calls: Sequence[Relocatable]) -> WeightArena | None:
+        """Move the packed weights of ``calls`` into one arena, in the order given; None for no calls."""
+        if not calls:
+            return None
+        sizes = [c.w.numel() * c.w.element_size() for c in calls]
+        offsets, off = [], 0
+        for n in sizes:
+            offsets.append(off)
+            off += -(-n // ALIGN) * ALIGN
+        arena = cls(off)
+        for c, o, n in zip(calls, offsets, sizes, strict=True):
+            dst = arena.buf[o:o + n]
+            dst.copy_(c.w.contiguous().view(-1).view(torch.uint8))
+            c.w = dst.view(c.w.dtype).view(c.w.shape)
+            c.args.packed = c.w.data_ptr()
+        return arena
