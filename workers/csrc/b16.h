@@ -36,7 +36,7 @@ void group_b16(const uint8_t* pw, int64_t nb, const uint16_t* x, int64_t K, floa
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
 #endif
   for (int64_t b = 0; b < nb; ++b, pw += kB16Bytes) {
-    for (int64_t c = 0; c < kB16Bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(pw) + 2048 + c, _MM_HINT_T0);
+    for (int64_t c = 0; c < kB16Bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(pw) + 4096 + c, _MM_HINT_T0);
     const uint16_t* xb = x + b * kBlock;
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {

@@ -52,7 +52,7 @@ constexpr int64_t kQ4Bytes = 160, kQ8Bytes = 272;
 #endif
 
 #if CS_Q_AVX2
-constexpr int64_t kPrefetch = 1024;  // bytes ahead of the block being read
+constexpr int64_t kPrefetch = 4096;  // bytes ahead of the block being read
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
