@@ -14,10 +14,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import redis
 
+from chunkserve.cluster.cache_event import DEFAULT_MAX_DEPTH, EVENT_KINDS, CacheEvent
 from chunkserve.cluster.index import (
     DEFAULT_NAMESPACE,
     HEARTBEAT_LUA,
@@ -32,31 +32,10 @@ from chunkserve.cluster.index import (
 )
 
 logger = logging.getLogger(__name__)
+__all__ = ["DEFAULT_MAX_DEPTH", "EVENT_KINDS", "CacheEvent", "WorkerPublisher"]
 
-EVENT_KINDS = ("stored", "evicted", "cleared")
-DEFAULT_MAX_DEPTH = 64
 _OPS = {"stored": "s", "evicted": "e", "cleared": "c"}
 _SNAPSHOT_BATCH = 1000
-
-
-@dataclass(frozen=True)
-class CacheEvent:
-    """One change to a worker's prefix cache.
-
-    ``kind``: "stored" (chunk ``chunk_hash`` is now cached), "evicted" (it is gone), "cleared" (the
-    whole cache was dropped; ``chunk_hash`` is ignored). ``depth`` is the 0-based chunk position in its
-    prompt when known (-1 otherwise); stored events at depth >= the publisher's ``max_depth`` are dropped.
-    """
-
-    kind: str
-    chunk_hash: int
-    depth: int = -1
-
-    def __post_init__(self) -> None:
-        if self.kind not in EVENT_KINDS:
-            raise ValueError(f"CacheEvent.kind must be one of {EVENT_KINDS}, got {self.kind!r}")
-        if not isinstance(self.chunk_hash, int) or not 0 <= self.chunk_hash < (1 << 64):
-            raise ValueError(f"CacheEvent.chunk_hash must be an unsigned 64-bit int, got {self.chunk_hash!r}")
 
 
 SnapshotFn = Callable[[], Iterable[int]]

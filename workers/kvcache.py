@@ -14,7 +14,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
-from chunkserve.cluster.events import CacheEvent
+from chunkserve.cluster.cache_event import CacheEvent
 from chunkserve.kernels.context import ChunkContext
 from chunkserve.workers.chunk_pool import ChunkPool, KVCacheFull
 from chunkserve.workers.kvcontext import ContextBuilder, HostContext

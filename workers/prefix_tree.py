@@ -12,7 +12,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
-from chunkserve.cluster.events import CacheEvent
+from chunkserve.cluster.cache_event import CacheEvent
 from chunkserve.cluster.hashing import chunk_hash
 from chunkserve.workers.chunk_pool import ChunkPool, KVCacheFull
 from chunkserve.workers.kvtree import Node
