@@ -30,7 +30,7 @@ TARGET_DENSE = 4.8  # and is >= 4.8x faster than dense attention (the faster of 
 TOL_16BIT = 2e-3  # norm-wise relative error vs float64 (tests/kernels/conftest.py TOL for fp16/bf16)
 TOL_TPP_VS_PAGED = 1e-2  # bench: TPP and paged outputs on the same cache (both 16-bit rounded)
 NEEDS = {"torch": "everything", "triton": "the Triton kernels", "numpy": "the KV cache",
-         "tqdm": "the KV cache", "redis": "chunkserve.workers.kvcache (imports chunkserve.cluster)",
+         "tqdm": "the KV cache", "redis": "only the cluster index (no step here needs it)",
          "pytest": "the kernel tests", "hypothesis": "the kernel tests"}
 
 
@@ -179,6 +179,7 @@ def e2e(out: Path, model: str = "random:llama3-8b", device: str = "cuda", dtype:
         done: dict[str, Any] = {}
         steps, t_first = 0, None
         sync_warnings: list[int] = []  # per step: synchronising CUDA calls (torch's sync debug mode)
+        sync_sites: set[str] = set()  # where they were made (the Python line that called them)
         t1 = time.perf_counter()
         while len(done) < len(prompts):
             if first and device == "cuda" and 2 <= steps < 8:
@@ -189,7 +190,11 @@ def e2e(out: Path, model: str = "random:llama3-8b", device: str = "cuda", dtype:
                         outs = eng.step()
                     finally:
                         torch.cuda.set_sync_debug_mode("default")
-                sync_warnings.append(sum("synchroniz" in str(w.message) for w in caught))
+                # the op warnings only: set_sync_debug_mode's own "Synchronization debug mode is a
+                # prototype feature" notice is not a sync
+                hits = [w for w in caught if "called a synchronizing" in str(w.message)]
+                sync_warnings.append(len(hits))
+                sync_sites.update(f"step {steps}: {Path(w.filename).name}:{w.lineno}" for w in hits)
             else:
                 outs = eng.step()
             steps += 1
@@ -209,7 +214,7 @@ def e2e(out: Path, model: str = "random:llama3-8b", device: str = "cuda", dtype:
             "decode_tok_s": decode_tokens / (t_end - t_first) if t_first else None, "logprobs_finite": finite}
         if first:
             res["backends"][backend].update(warmup=eng.warmup_stats, compiled_after_warmup=compile_count() - built,
-                                            syncs_per_step=sync_warnings)
+                                            syncs_per_step=sync_warnings, sync_sites=sorted(sync_sites))
         print(f"  {backend}: {res['backends'][backend]}")
         del eng
         if device == "cuda":

@@ -25,6 +25,9 @@ LOG_DIR="$(cd "$LOG_DIR" && pwd)"
 rm -f "$LOG_DIR"/kernel_cuda_triton_*.json "$LOG_DIR"/{preflight,agree,e2e}.json "$LOG_DIR"/pytest.xml
 unset TRITON_INTERPRET
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+# never put the checkout root on sys.path (python -m / -c do): its kernels/ folder would shadow PyPI's
+# `kernels` package, which transformers >= 5 imports
+export PYTHONSAFEPATH=1
 BUDGET=290
 START=$SECONDS
 
@@ -46,7 +49,6 @@ if [ -n "$PY" ] && ! (cd / && "$PY" -c "import chunkserve.kernels.api") >/dev/nu
   for f in "$ROOT"/chunkserve/*; do ln -s "$f" "$SHADOW/chunkserve/"; done
   for p in kernels workers cluster router loadtests; do ln -s "$ROOT/$p" "$SHADOW/chunkserve/$p"; done
   export PYTHONPATH="$SHADOW${PYTHONPATH:+:$PYTHONPATH}"
-  export PYTHONSAFEPATH=1  # the checkout's own chunkserve/ (without kernels/) must not come first
   echo "chunkserve not installed: using the checkout through $SHADOW"
 fi
 

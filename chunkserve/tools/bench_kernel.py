@@ -226,6 +226,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--kv-sets", type=int, default=None, help="KV copies rotated per timing (default 4 on cuda)")
+    p.add_argument("--no-graphs", action="store_true", help="on cuda, launch eagerly instead of replaying CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--copy-mib", type=int, default=256, help="buffer size of the bandwidth probe")
     p.add_argument("--matmul-n", type=int, default=2048, help="square GEMM size of the matmul-rate probe")
@@ -257,7 +258,7 @@ def main(argv: list[str]) -> int:
     device = torch.device(args.device)
     if args.cpu_time:
         torch.set_num_threads(1)
-    timer = Timer(device, use_graphs=args.backend == "triton", cpu_time=args.cpu_time)
+    timer = Timer(device, use_graphs=args.backend == "triton" and not args.no_graphs, cpu_time=args.cpu_time)
     # machine rates are measured before, between and after the groups; the best of them is kept
     # (a roofline must be a lower bound, and other processes may share this machine)
     rates = [measure_machine(device, DTYPES[args.dtype], timer, args.copy_mib, args.matmul_n)]

@@ -30,6 +30,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Replay:
+    """A captured CUDA graph and the callable it was captured from. The graph holds raw device
+    addresses, not references: ``fn`` (and the tensors it closes over) must outlive the graph, or a
+    replay reads freed memory."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, fn: Fn) -> None:
+        self.graph, self.fn = graph, fn
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
 class Timer:
     """Times callables on one device; on CUDA each is captured in a CUDA graph and replayed.
 
@@ -59,7 +71,7 @@ class Timer:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 f()
-            out.append(graph.replay)
+            out.append(_Replay(graph, f))
         sync(self.device)
         return out
 
