@@ -15,6 +15,7 @@ and offline outputs the same tokens, so the ratios compare equal work.
 
     .venv/bin/python benchmarks/bench_served.py                       # both modes, embedded SmolLM2
     .venv/bin/python benchmarks/bench_served.py --mode local --json served.json
+    .venv/bin/python benchmarks/bench_served.py --mode ray --workers 2 --quantization int4   # int4, both sides
 
 This file manages the processes (offline engine, local or Ray server) and prints the table; the workloads,
 the streaming client and the CPU accounting are `chunkserve bench serve`'s (`chunkserve.tools`, torch-free),
@@ -58,12 +59,13 @@ def workloads() -> dict[str, list[workload.ChatRequest]]:
 class Offline:
     """The offline engine of `chunkserve.LLM`, stepped as `LLM.generate` steps it, timing each request."""
 
-    def __init__(self, model: str | None, threads: int | None, kv_cache_gb: float) -> None:
+    def __init__(self, model: str | None, threads: int | None, kv_cache_gb: float,
+                 quantization: str | None = None) -> None:
         import torch
 
         from chunkserve import LLM, SamplingParams
 
-        kw: dict[str, Any] = {"kv_cache_gb": kv_cache_gb}
+        kw: dict[str, Any] = {"kv_cache_gb": kv_cache_gb, "quantization": quantization}
         if threads is not None:
             kw["num_threads"] = threads
         self.llm = LLM(model=model, **kw)
@@ -94,10 +96,10 @@ class Offline:
         return res
 
 
-def serve_offline(model: str | None, threads: int | None, kv_cache_gb: float) -> None:
+def serve_offline(model: str | None, threads: int | None, kv_cache_gb: float, quantization: str | None) -> None:
     """Child-process body of the offline side: one JSON list of conversations per stdin line, one JSON
     result per line."""
-    off = Offline(model, threads, kv_cache_gb)
+    off = Offline(model, threads, kv_cache_gb, quantization)
     print(json.dumps({"torch_threads": off.torch_threads}), flush=True)
     for line in sys.stdin:
         print(json.dumps(off.run(json.loads(line))), flush=True)
@@ -109,6 +111,8 @@ class OfflineProcess:
 
     def __init__(self, args: argparse.Namespace) -> None:
         cmd = [sys.executable, __file__, "--serve-offline", "--kv-cache-gb", str(args.kv_cache_gb)]
+        if args.quantization:
+            cmd += ["--quantization", args.quantization]
         if args.model:
             cmd += ["--model", args.model]
         if args.threads:
@@ -140,12 +144,13 @@ class OfflineProcess:
 
 
 # -- served modes -----------------------------------------------------------------------------------------
-def serve_local(port: int, model: str | None, threads: int | None, kv_cache_gb: float) -> None:
+def serve_local(port: int, model: str | None, threads: int | None, kv_cache_gb: float,
+                quantization: str | None) -> None:
     """Child-process body of ``--mode local``: LocalServer until stdin closes."""
     from chunkserve.router.local_server import LocalServer, local_ingress
     from chunkserve.workers.engine import EngineConfig
 
-    cfg = EngineConfig(model=model, num_threads=threads, kv_cache_gb=kv_cache_gb)
+    cfg = EngineConfig(model=model, num_threads=threads, kv_cache_gb=kv_cache_gb, quantization=quantization)
     with LocalServer(lambda: local_ingress(cfg, model_name="bench"), http_port=port, grpc_port=None):
         import torch
 
@@ -166,6 +171,8 @@ def start_server(mode: str, args: argparse.Namespace) -> tuple[subprocess.Popen,
     port = _free_port()
     if mode == "local":
         cmd = [sys.executable, __file__, "--serve-local", str(port), "--kv-cache-gb", str(args.kv_cache_gb)]
+        if args.quantization:
+            cmd += ["--quantization", args.quantization]
         if args.model:
             cmd += ["--model", args.model]
         if args.threads:
@@ -177,6 +184,8 @@ def start_server(mode: str, args: argparse.Namespace) -> tuple[subprocess.Popen,
         if args.model:
             cmd += ["--model", args.model]
         engine: dict[str, Any] = {"kv_cache_gb": args.kv_cache_gb}
+        if args.quantization:
+            engine["quantization"] = args.quantization
         if args.threads:
             engine["num_threads"] = args.threads
         cmd += ["--engine", json.dumps(engine)]
@@ -283,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: each side's own rule)")
     ap.add_argument("--workers", type=int, default=1, help="worker replicas in --mode ray")
+    ap.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                    help="weight-only quantisation, served and offline alike (default: none)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool per engine (served and offline)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating (served, offline) rounds per workload")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -290,10 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-offline", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_local is not None:
-        serve_local(args.serve_local, args.model, args.threads, args.kv_cache_gb)
+        serve_local(args.serve_local, args.model, args.threads, args.kv_cache_gb, args.quantization)
         return 0
     if args.serve_offline:
-        serve_offline(args.model, args.threads, args.kv_cache_gb)
+        serve_offline(args.model, args.threads, args.kv_cache_gb, args.quantization)
         return 0
     convs = workloads()
     offline = OfflineProcess(args)
