@@ -139,13 +139,21 @@ def redis_for(url: str | None) -> Iterator[str]:
         yield server.url
 
 
+# Ray Serve runs replica code and handle routing on event loops of their own threads by default; every stream
+# item then crosses threads twice in a worker and again in the ingress. Our replicas never block their loop (the
+# engine has its own thread), so they run on the replica's main loop: a lone int4 stream on 2 cores +7-10 %
+# completion tok/s (docs/benchmarks.md, 2026-12-04). A value already in the environment wins.
+SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
 def ray_env_vars(redis_url: str) -> dict[str, str]:
-    """The environment of every Ray process `chunkserve up` starts: where the index lives, and the HTTP proxy's
+    """The environment of every Ray process `chunkserve up` starts: where the index lives, the HTTP proxy's
     `ProxyGuard` (clean 503s and SSE error events when an ingress replica dies or the app is being replaced),
-    unless the user gave the proxy a middleware callback of their own."""
+    unless the user gave the proxy a middleware callback of their own, and `SERVE_LOOP_ENV`."""
     from chunkserve.router.proxy_guard import CALLBACK_ENV, CALLBACK_PATH
 
-    return {"CHUNKSERVE_REDIS_URL": redis_url, CALLBACK_ENV: os.environ.get(CALLBACK_ENV) or CALLBACK_PATH}
+    env = {k: os.environ.get(k) or v for k, v in SERVE_LOOP_ENV.items()}
+    return {**env, "CHUNKSERVE_REDIS_URL": redis_url, CALLBACK_ENV: os.environ.get(CALLBACK_ENV) or CALLBACK_PATH}
 
 
 def start(cfg: AppConfig, opts: LaunchOptions) -> None:

@@ -33,3 +33,15 @@ def test_start_refuses_a_config_without_a_redis_url() -> None:
 
     with pytest.raises(ValueError, match="redis_url"):
         launcher.start(AppConfig(), launcher.LaunchOptions())
+
+
+def test_ray_env_runs_replica_code_on_the_replica_loop_unless_the_user_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", raising=False)
+    monkeypatch.delenv("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", raising=False)
+    env = launcher.ray_env_vars("redis://127.0.0.1:1/0")
+    assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    assert env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+    assert env["CHUNKSERVE_REDIS_URL"] == "redis://127.0.0.1:1/0"
+    monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")
+    assert launcher.ray_env_vars("redis://x:1/0")["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
