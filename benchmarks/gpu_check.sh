@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU check in one command, offline, on one GPU, in under 5 minutes:
 #   benchmarks/gpu_check.sh                          # logs + JSON in $OUT if set, else results/gpu_check/
+#                                                    # (and all of them in 00_all.tgz there)
 #   PYTHON=/opt/py/bin/python benchmarks/gpu_check.sh
-# Needs a Python with a CUDA build of torch and with triton (and numpy, tqdm, redis-py, which the KV
-# cache imports; pytest + hypothesis for step 2). It installs and downloads nothing: when chunkserve is
+# Needs a Python with a CUDA build of torch and with triton (and numpy, tqdm, which the KV
+# cache imports; pytest + hypothesis for step 2; not redis-py). It installs and downloads nothing: when chunkserve is
 # not importable (no `pip install --no-deps -e .`), the checkout is mapped into a temporary package
 # dir (the setuptools package-dir layout: chunkserve.kernels -> kernels/, ...) put on PYTHONPATH.
 # Steps, each under its own time limit and all inside a 290 s budget (a step left < 20 s is skipped):
@@ -94,5 +95,9 @@ run "5. e2e decode (random Llama-3-8B, bf16)" 70 e2e.log "$PY" benchmarks/gpu_ch
 
 "$PY" benchmarks/gpu_check.py report "$LOG_DIR" 2>&1 | tee "$LOG_DIR/report.log"
 status="${PIPESTATUS[0]}"
+# every log and JSON in one file too, named to sort first: a caller that brings back only a few files of
+# $OUT (the device tool returns 8) still gets all of them
+rm -f "$LOG_DIR/00_all.tgz"
+tar czf "$LOG_DIR/00_all.tgz.tmp" -C "$LOG_DIR" --exclude '00_all.tgz*' . && mv "$LOG_DIR/00_all.tgz.tmp" "$LOG_DIR/00_all.tgz"
 echo "gpu_check: $([ "$status" -eq 0 ] && echo PASS || echo FAIL) in $((SECONDS - START)) s (logs in $LOG_DIR)"
 exit "$status"
