@@ -98,6 +98,7 @@ status="${PIPESTATUS[0]}"
 # every log and JSON in one file too, named to sort first: a caller that brings back only a few files of
 # $OUT (the device tool returns 8) still gets all of them
 rm -f "$LOG_DIR/00_all.tgz"
-tar czf "$LOG_DIR/00_all.tgz.tmp" -C "$LOG_DIR" --exclude '00_all.tgz*' . && mv "$LOG_DIR/00_all.tgz.tmp" "$LOG_DIR/00_all.tgz"
+bundle="$(mktemp)"
+tar czf "$bundle" -C "$LOG_DIR" . && mv "$bundle" "$LOG_DIR/00_all.tgz" || rm -f "$bundle"
 echo "gpu_check: $([ "$status" -eq 0 ] && echo PASS || echo FAIL) in $((SECONDS - START)) s (logs in $LOG_DIR)"
 exit "$status"
