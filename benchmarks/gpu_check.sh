@@ -99,6 +99,6 @@ status="${PIPESTATUS[0]}"
 # $OUT (the device tool returns 8) still gets all of them
 rm -f "$LOG_DIR/00_all.tgz"
 bundle="$(mktemp)"
-tar czf "$bundle" -C "$LOG_DIR" . && mv "$bundle" "$LOG_DIR/00_all.tgz" || rm -f "$bundle"
+tar czf "$bundle" -C "$LOG_DIR" . && chmod 644 "$bundle" && mv "$bundle" "$LOG_DIR/00_all.tgz" || rm -f "$bundle"
 echo "gpu_check: $([ "$status" -eq 0 ] && echo PASS || echo FAIL) in $((SECONDS - START)) s (logs in $LOG_DIR)"
 exit "$status"
