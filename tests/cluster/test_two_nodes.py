@@ -123,10 +123,25 @@ def two_nodes() -> Iterator[str]:
         _wait_for_gcs(ip, port, nodes[0], timeout_s=120)
         nodes.append(Node("b", ["--address", address, "--num-cpus", "1",
                                 "--resources", json.dumps({"node_b": 1, "worker_slot": 1})]))
+        _wait_for_start(nodes[1], timeout_s=120)
         yield address
     finally:
         for node in reversed(nodes):
             node.stop()
+
+
+def _wait_for_start(node: Node, timeout_s: float) -> None:
+    """Until ``ray start`` says the node runs; a node that exits or never says so fails with its log."""
+    deadline = time.monotonic() + timeout_s
+    log = Path(node.log.name)
+    while time.monotonic() < deadline:
+        node.log.flush()
+        if "Ray runtime started" in log.read_text(errors="replace"):
+            return
+        if node.proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    raise RuntimeError(f"ray start (joining node) did not start: {log.read_text(errors='replace')[-2000:]}")
 
 
 def _wait_for_gcs(ip: str, port: int, head: Node, timeout_s: float) -> None:
