@@ -21,7 +21,8 @@ def run_in_root(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_bare_kernels_import_in_the_checkout_root_gets_the_installed_package() -> None:
-    if importlib.util.find_spec("kernels") is None or "site-packages" not in str(importlib.util.find_spec("kernels").origin):
+    spec = importlib.util.find_spec("kernels")  # the test runs with -P: this is never the checkout's folder
+    if spec is None or "site-packages" not in str(spec.origin):
         pytest.skip("PyPI's kernels package is not installed")
     r = run_in_root("import sys, kernels; print(sys.path[0] == ''); print(kernels.__file__)")
     assert r.returncode == 0, r.stderr
