@@ -102,9 +102,9 @@ def test_phase2_kv_split_segments_merge_to_the_unsplit_result(cache_tree, check,
 
 def test_kv_split_is_chosen_only_when_rows_x_heads_underfill_the_gpu():
     sms = 132
-    assert pick_kv_split(8 * 8, 64, 64, sms) == 5  # 64 programs: five segments make two waves
-    assert pick_kv_split(32 * 8, 64, 64, sms) == 2
-    assert pick_kv_split(64 * 8, 64, 64, sms) == 1  # already two waves
+    assert pick_kv_split(8 * 8, 64, 64, sms) == 3  # 64 programs: three segments give each SM one
+    assert pick_kv_split(32 * 8, 64, 64, sms) == 1  # 256 programs already fill the GPU
+    assert pick_kv_split(2 * 8, 64, 64, sms) == 8  # longest row 4,096 tokens: eight 512-slot segments
     assert pick_kv_split(8 * 8, 12, 64, sms) == 1  # 768 tokens: one 512-slot segment at most
     assert pick_kv_split(8 * 8, 64, 16, sms) == 2  # 1024 tokens of c=16: two segments of 512
     assert pick_kv_split(1, 10_000, 64, sms) == 64  # capped
