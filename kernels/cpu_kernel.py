@@ -131,6 +131,16 @@ class CpuDecodeKernel:
         layer.restype = ctypes.c_int
         self.decode_layer = layer  # see `cpu_layer.py`
         self.vector_width = int(lib.cs_vector_width())
+        amx = lib.cs_run_amx
+        amx.argtypes = [i64]
+        amx.restype = ctypes.c_int
+        self._amx = amx
+
+    def amx_tiles(self, head_dim: int) -> bool:
+        """Whether bf16 shared runs (phase 1, and prefill over cached chunks) of this head dim run on AMX tiles
+        (``csrc/run_amx.h``): an AMX-BF16 CPU, the OS's grant of tile state, head_dim % 64 == 0, and
+        ``CHUNKSERVE_AMX`` not 0 (read once per process)."""
+        return bool(self._amx(head_dim))
 
     @staticmethod
     def supports(q4: torch.Tensor, pool: torch.Tensor) -> bool:

@@ -166,8 +166,18 @@ def format_table(rows: list[dict[str, float]], machine: Machine, args: argparse.
                      f"{r['paged_bytes'] / 1e6:>8.1f} {r['tpp_roofline_us']:>8.0f} {r['tpp_efficiency']:>6.0%}")
     lines.append(f"machine: copy {machine.copy_bw / 1e9:.1f} GB/s (read+write), matmul "
                  f"{machine.matmul_flops / 1e9:.0f} GFLOP/s, threads={torch.get_num_threads()}, "
-                 f"load average at the end {_loadavg()}")
+                 f"{_amx_note(args)}load average at the end {_loadavg()}")
     return "\n".join(lines)
+
+
+def _amx_note(args: argparse.Namespace) -> str:
+    """Whether this run's bf16 shared runs used AMX tiles (CPU, bf16 only)."""
+    if args.device != "cpu" or args.dtype != "bf16":
+        return ""
+    from chunkserve.kernels.cpu_kernel import load_cpu_kernel
+
+    kern = load_cpu_kernel()
+    return f"AMX tiles: {'yes' if kern is not None and kern.amx_tiles(args.head_dim) else 'no'}, "
 
 
 def cpu_model() -> str:

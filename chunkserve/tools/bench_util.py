@@ -120,8 +120,12 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, timer: Timer, m: int)
 def measure_machine(device: torch.device, dtype: torch.dtype, timer: Timer, copy_mib: int = 256,
                     matmul_n: int = 2048) -> Machine:
     """Copy bandwidth (``copy_mib`` MiB buffers) and matmul rate (square GEMM of size ``matmul_n``
-    in the compute dtype; the CPU kernels compute in fp32 whatever the storage dtype)."""
-    mm_dtype = dtype if device.type == "cuda" else torch.float32
+    in the compute dtype: the storage dtype on CUDA and for bf16 on a CPU with native bf16 (the CPU kernels
+    multiply bf16 with vdpbf16ps or AMX tiles there), fp32 otherwise (they widen to fp32))."""
+    from chunkserve.workers.device import cpu_has_native_bf16
+
+    native = device.type == "cuda" or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+    mm_dtype = dtype if native else torch.float32
     return Machine(copy_bw=_copy_bw(device, timer, copy_mib),
                    matmul_flops=_matmul_rate(device, mm_dtype, timer, matmul_n), device=str(device))
 

@@ -20,7 +20,9 @@
 #include <vector>
 #include <omp.h>
 
+#include "run_amx.h"
 #include "run_bf16.h"
+#include "run_tiles.h"
 #include "simd.h"
 
 namespace {
@@ -31,6 +33,9 @@ using cs_dp::exp_pairs;
 using cs_dp::pack_values;
 using cs_dp::pv_pairs;
 using cs_dp::scores_pairs;
+using cs_tiles::pv;
+using cs_tiles::scores;
+using cs_tiles::Tile;
 
 struct RunArgs {
   const float* q;          // [b, hkv, g, d] fp32, pre-scaled
@@ -88,6 +93,8 @@ inline void put_row(const RunArgs& a, const float* acc, float m, float l, float*
 struct Scratch {
   std::vector<float> qt, acc, m, l, st, kf, vf_;
   std::vector<uint32_t> pp, vp;  // bf16 pairs of probabilities and values (run_bf16.h)
+  std::vector<uint16_t> qb, pb;  // AMX: bf16 query rows, bf16 probabilities (run_amx.h)
+  std::vector<uint32_t> kt;      // AMX: transposed key pairs of a segment (vp: its value pairs)
 };
 
 // bf16 chunks multiply bf16 pairs with vdpbf16ps where the CPU has it (run_bf16.h), else fp32 FMAs.
@@ -99,90 +106,6 @@ template <typename T> constexpr bool kPairs = false;
 // their tiles: 16 accumulators for 2-vector row blocks, 12 for 3; key tiles that divide a 64-token chunk
 template <int NV> constexpr int kPairKU = NV == 3 ? 4 : 8;
 template <int NV> constexpr int kPairRU = NV == 3 ? 6 : 8;
-
-// Register tiles. A row block holds MB = NV * kW query rows. Scores: KU keys x NV vectors of rows;
-// P@V: RU rows x 2 vectors of D. Both keep 8-12 accumulators and load about 2 values per 3 FMAs.
-template <int NV> struct Tile {
-  static constexpr int64_t MB = NV * kW;
-  static constexpr int KU = NV == 3 ? 4 : 6;
-  static constexpr int RU = NV == 3 ? 6 : 4;
-  static_assert(MB % RU == 0, "row block must split into P@V row tiles");
-};
-
-// st[t * MB + x] = q_x . k_t for nt keys (qt: [d, MB], keys row-major [nt, d]).
-template <int NV>
-__attribute__((noinline)) void scores(const float* qt, const float* kc, int64_t nt, int64_t d, float* st) {
-  constexpr int64_t MB = Tile<NV>::MB;
-  constexpr int KU = Tile<NV>::KU;
-  int64_t t = 0;
-  for (; t + KU <= nt; t += KU) {
-    vf a[KU][NV] = {};
-    const float* kr = kc + t * d;  // key t + u at kr[u * d + j]
-    for (int64_t j = 0; j < d; ++j, ++kr) {
-      vf q[NV];
-#pragma GCC unroll 3
-      for (int v = 0; v < NV; ++v) { q[v] = cs::load(qt + j * MB + v * kW); cs::keep(q[v]); }
-#pragma GCC unroll 6
-      for (int u = 0; u < KU; ++u) {
-        const float x = kr[u * d];
-#pragma GCC unroll 3
-        for (int v = 0; v < NV; ++v) a[u][v] += x * q[v];
-      }
-    }
-#pragma GCC unroll 6
-    for (int u = 0; u < KU; ++u)
-#pragma GCC unroll 3
-      for (int v = 0; v < NV; ++v) cs::store(st + (t + u) * MB + v * kW, a[u][v]);
-  }
-  for (; t < nt; ++t) {
-    vf a[NV] = {};
-    const float* kt = kc + t * d;
-    for (int64_t j = 0; j < d; ++j)
-#pragma GCC unroll 3
-      for (int v = 0; v < NV; ++v) a[v] += kt[j] * cs::load(qt + j * MB + v * kW);
-#pragma GCC unroll 3
-    for (int v = 0; v < NV; ++v) cs::store(st + t * MB + v * kW, a[v]);
-  }
-}
-
-// acc [MB, d] += P [MB, nt] V [nt, d], P given transposed (st[t * MB + x]); d % kW == 0.
-template <int NV>
-__attribute__((noinline)) void pv(const float* st, const float* vc, int64_t nt, int64_t d, float* acc) {
-  constexpr int64_t MB = Tile<NV>::MB;
-  constexpr int RU = Tile<NV>::RU;
-  for (int64_t x = 0; x < MB; x += RU) {
-    float* o = acc + x * d;  // row x + u at o[u * d]
-    int64_t jd = 0;
-    for (; jd + 2 * kW <= d; jd += 2 * kW) {
-      vf a[RU][2];
-#pragma GCC unroll 6
-      for (int u = 0; u < RU; ++u) { a[u][0] = cs::load(o + u * d + jd); a[u][1] = cs::load(o + u * d + jd + kW); }
-      for (int64_t t = 0; t < nt; ++t) {
-        vf v0 = cs::load(vc + t * d + jd), v1 = cs::load(vc + t * d + jd + kW);
-        cs::keep(v0);
-        cs::keep(v1);
-        const float* p = st + t * MB + x;
-#pragma GCC unroll 6
-        for (int u = 0; u < RU; ++u) { a[u][0] += p[u] * v0; a[u][1] += p[u] * v1; }
-      }
-#pragma GCC unroll 6
-      for (int u = 0; u < RU; ++u) { cs::store(o + u * d + jd, a[u][0]); cs::store(o + u * d + jd + kW, a[u][1]); }
-    }
-    for (; jd < d; jd += kW) {
-      vf a[RU];
-#pragma GCC unroll 6
-      for (int u = 0; u < RU; ++u) a[u] = cs::load(o + u * d + jd);
-      for (int64_t t = 0; t < nt; ++t) {
-        const vf v0 = cs::load(vc + t * d + jd);
-        const float* p = st + t * MB + x;
-#pragma GCC unroll 6
-        for (int u = 0; u < RU; ++u) a[u] += p[u] * v0;
-      }
-#pragma GCC unroll 6
-      for (int u = 0; u < RU; ++u) cs::store(o + u * d + jd, a[u]);
-    }
-  }
-}
 
 template <typename T>
 const float* as_f32(const T* src, int64_t n, std::vector<float>& buf) {
@@ -199,8 +122,61 @@ inline const float* qrow(const RunArgs& a, int64_t i, int64_t h, int64_t x) {
   return a.q + (((i + x / a.g) * a.hkv + h) * a.g + x % a.g) * a.d;
 }
 
+void finish_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, const float* acc, const float* m, const float* l);
+
+#ifdef CS_RUN_AMX
+// run_item on bf16 chunks with AMX tiles (run_amx.h): the same (acc, m, l) per row, in 16-row blocks.
+void run_item_amx(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
+  const int64_t d = a.d, i = a.rows[2 * r], M = (a.rows[2 * r + 1] - i) * a.g, nrb = (M + 15) / 16;
+  const float rs = 1.f / a.qscale;  // as in run_item: a bf16 model's queries come back exactly
+  uint16_t* qb = w.qb.data();
+  for (int64_t x = 0; x < nrb * 16; ++x) {
+    if (x >= M) {
+      std::memset(qb + x * d, 0, sizeof(uint16_t) * d);
+      continue;
+    }
+    const float* src = qrow(a, i, h, x);
+    for (int64_t j = 0; j < d; j += 16)  // nearest even, as cs::bf16_bits
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + x * d + j),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + j), _mm512_set1_ps(rs))));
+  }
+  float *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data();
+  std::fill(m, m + nrb * 16, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + nrb * 16, 0.f);
+  cs_amx::Segment seg;
+  seg.kt = w.kt.data();
+  seg.vp = w.vp.data();
+  const cs_amx::Buffers buf{w.st.data(), w.pb.data(), w.qt.data()};
+  auto flush = [&]() {
+    for (int64_t rb = 0; rb < nrb && seg.nblk > 0; ++rb)
+      cs_amx::seg_rows(seg, qb + rb * 16 * d, d, a.qscale, buf, acc + rb * 16 * d, m + rb * 16, l + rb * 16);
+    seg.nblk = 0;
+  };
+  const int64_t c0 = a.cptr[r], P = a.cptr[r + 1] - c0;
+  const int64_t cps = (P + a.nsplit - 1) / a.nsplit, p0 = s * cps, p1 = std::min(P, p0 + cps);
+  const uint16_t* kbase = static_cast<const uint16_t*>(a.k) + h * a.hs;
+  const uint16_t* vbase = static_cast<const uint16_t*>(a.v) + h * a.hs;
+  cs_amx::configure();
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t nt = a.tokens[c0 + p], ch = a.chunks[c0 + p];
+    for (int64_t t0 = 0; t0 < nt; t0 += cs_amx::kKeys) {
+      if (seg.nblk == cs_amx::kSegBlocks) flush();
+      cs_amx::add_block(seg, kbase + ch * a.cs + t0 * d, vbase + ch * a.cs + t0 * d,
+                        std::min(cs_amx::kKeys, nt - t0), d);
+    }
+  }
+  flush();
+  _tile_release();
+  finish_item(a, r, h, s, acc, m, l);
+}
+#endif
+
 template <typename T, int NV>
 void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
+#ifdef CS_RUN_AMX
+  if constexpr (kPairs<T>)
+    if (cs_amx::usable(a.d)) return run_item_amx(a, r, h, s, w);
+#endif
   constexpr int64_t MB = Tile<NV>::MB;
   const int64_t d = a.d, i = a.rows[2 * r], M = (a.rows[2 * r + 1] - i) * a.g;
   const int64_t nrb = (M + MB - 1) / MB, Mp = nrb * MB;
@@ -282,6 +258,13 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
       }
     }
   }
+  finish_item(a, r, h, s, acc, m, l);
+}
+
+// Write an item's rows: (acc / l, m + log l) into the output (one split) or its split's scratch slot.
+void finish_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, const float* acc, const float* m, const float* l) {
+  const int64_t d = a.d, i = a.rows[2 * r], M = (a.rows[2 * r + 1] - i) * a.g;
+  const float ninf = -std::numeric_limits<float>::infinity();
   const bool direct = a.nsplit == 1;
   for (int64_t x = 0; x < M; ++x) {
     const int64_t slot = ((r * a.hkv + h) * a.nsplit + s) * a.mmax + x;
@@ -329,7 +312,7 @@ void run(const RunArgs& a, int nthreads) {
   const int64_t mp = (a.mmax + MB - 1) / MB * MB;
 #pragma omp parallel num_threads(nthreads)
   {
-    Scratch w;
+    static thread_local Scratch w;  // kept by each pool thread: no page faults for fresh buffers on every call
     w.qt.resize(mp * a.d);
     w.acc.resize(mp * a.d);
     w.m.resize(mp);
@@ -337,7 +320,20 @@ void run(const RunArgs& a, int nthreads) {
     w.st.resize(a.c * MB);
     if constexpr (kPairs<T>) {
       w.pp.resize((a.c + 1) / 2 * MB);
-      w.vp.resize((a.c + 1) / 2 * a.d);
+      w.vp.resize(std::max<int64_t>((a.c + 1) / 2, 32) * a.d);
+#ifdef CS_RUN_AMX
+      if (cs_amx::usable(a.d)) {  // segment buffers (run_amx.h)
+        const int64_t m16 = (a.mmax + 15) / 16 * 16, slots = cs_amx::kSegBlocks * cs_amx::kKeys;
+        w.qb.resize(m16 * a.d);
+        w.kt.resize(cs_amx::kSegBlocks * a.d / 2 * cs_amx::kKeys);
+        w.vp.resize(cs_amx::kSegBlocks * 32 * a.d);
+        w.pb.resize(16 * slots);
+        w.st.resize(std::max<int64_t>(a.c * MB, 16 * slots));
+        w.qt.resize(std::max<int64_t>(static_cast<int64_t>(w.qt.size()), 16 * a.d));
+        if (static_cast<int64_t>(w.acc.size()) < m16 * a.d) w.acc.resize(m16 * a.d);
+        if (static_cast<int64_t>(w.m.size()) < m16) { w.m.resize(m16); w.l.resize(m16); }
+      }
+#endif
     } else if constexpr (!std::is_same_v<T, float>) {
       w.kf.resize(a.c * a.d);
       w.vf_.resize(a.c * a.d);
@@ -357,6 +353,16 @@ void run(const RunArgs& a, int nthreads) {
 extern "C" {
 
 int cs_vector_width() { return kW; }
+
+// 1 where bf16 runs of head dim d take the AMX tile path (compiled in, granted by the OS, d a multiple of 64).
+int cs_run_amx(int64_t d) {
+#ifdef CS_RUN_AMX
+  return cs_amx::usable(d) ? 1 : 0;
+#else
+  (void)d;
+  return 0;
+#endif
+}
 
 // dtype: 0 fp32, 1 bf16, 2 fp16; flags: kOneSlot (1) writes every run into slot 0, kAccumulate (2, with
 // kOneSlot) merges into the (o, lse) there; q arrives multiplied by qscale (> 0). Returns 0, or a negative
