@@ -130,6 +130,20 @@ inline void add_block(Segment& seg, const uint16_t* k, const uint16_t* v, int64_
   std::memset(vp + (nt + 1) / 2 * d, 0, sizeof(uint32_t) * (nks * 16 - (nt + 1) / 2) * d);
 }
 
+// Output tiles 0-3 += A [16, 32 bf16] (a, row stride lda bytes) times four B tiles of 16 pair-rows x 16
+// columns at b, b + 16, b + 32, b + 48 words (row stride ldb bytes).
+inline void dp4(const void* a, int64_t lda, const uint32_t* b, int64_t ldb) {
+  _tile_loadd(4, a, lda);
+  _tile_loadd(5, b, ldb);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(6, b + 16, ldb);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_loadd(7, b + 32, ldb);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_loadd(5, b + 48, ldb);
+  _tile_dpbf16ps(3, 4, 5);
+}
+
 // S [16, 64 * nblk] of one row block (bf16 rows q [16, d]) into s (row stride 1024), unscaled.
 __attribute__((noinline)) void seg_scores(const uint16_t* q, const Segment& seg, int64_t d, float* s) {
   constexpr int64_t ld = kSegBlocks * kKeys * 4;
@@ -139,16 +153,7 @@ __attribute__((noinline)) void seg_scores(const uint16_t* q, const Segment& seg,
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kd = 0; kd < d / 32; ++kd) {
-      const uint32_t* kb = seg.kt + (b * d / 2 + kd * 16) * kKeys;
-      _tile_loadd(4, q + kd * 32, d * 2);
-      _tile_loadd(5, kb, kKeys * 4);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, kb + 16, kKeys * 4);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, kb + 32, kKeys * 4);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, kb + 48, kKeys * 4);
-      _tile_dpbf16ps(3, 4, 5);
+      dp4(q + kd * 32, d * 2, seg.kt + (b * d / 2 + kd * 16) * kKeys, kKeys * 4);
     }
     float* sb = s + b * kKeys;
     _tile_stored(0, sb, ld);
@@ -198,16 +203,7 @@ __attribute__((noinline)) void seg_pv(const Segment& seg, const uint16_t* p, int
     _tile_zero(3);
     for (int64_t b = 0; b < seg.nblk; ++b)
       for (int64_t ks = 0; ks < (seg.valid[b] + 31) / 32; ++ks) {
-        const uint32_t* vb = seg.vp + (b * 32 + ks * 16) * d + c0;
-        _tile_loadd(4, p + b * kKeys + ks * 32, ldp);
-        _tile_loadd(5, vb, d * 4);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, vb + 16, d * 4);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, vb + 32, d * 4);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, vb + 48, d * 4);
-        _tile_dpbf16ps(3, 4, 5);
+        dp4(p + b * kKeys + ks * 32, ldp, seg.vp + (b * 32 + ks * 16) * d + c0, d * 4);
       }
     _tile_stored(0, o + c0, d * 4);
     _tile_stored(1, o + c0 + 16, d * 4);
