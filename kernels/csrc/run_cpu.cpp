@@ -90,6 +90,11 @@ inline void put_row(const RunArgs& a, const float* acc, float m, float l, float*
   *ld = mx + std::log(tot);
 }
 
+// Scratch only grows: a thread's buffers outlive the call, so a smaller call neither frees nor re-zeroes them.
+template <typename V> void grow(V& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
 struct Scratch {
   std::vector<float> qt, acc, m, l, st, kf, vf_;
   std::vector<uint32_t> pp, vp;  // bf16 pairs of probabilities and values (run_bf16.h)
@@ -313,30 +318,27 @@ void run(const RunArgs& a, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
   {
     static thread_local Scratch w;  // kept by each pool thread: no page faults for fresh buffers on every call
-    w.qt.resize(mp * a.d);
-    w.acc.resize(mp * a.d);
-    w.m.resize(mp);
-    w.l.resize(mp);
-    w.st.resize(a.c * MB);
+    grow(w.qt, mp * a.d);
+    grow(w.acc, mp * a.d);
+    grow(w.m, mp), grow(w.l, mp), grow(w.st, a.c * MB);
     if constexpr (kPairs<T>) {
-      w.pp.resize((a.c + 1) / 2 * MB);
-      w.vp.resize(std::max<int64_t>((a.c + 1) / 2, 32) * a.d);
+      grow(w.pp, (a.c + 1) / 2 * MB);
+      grow(w.vp, (a.c + 1) / 2 * a.d);
 #ifdef CS_RUN_AMX
       if (cs_amx::usable(a.d)) {  // segment buffers (run_amx.h)
         const int64_t m16 = (a.mmax + 15) / 16 * 16, slots = cs_amx::kSegBlocks * cs_amx::kKeys;
-        w.qb.resize(m16 * a.d);
-        w.kt.resize(cs_amx::kSegBlocks * a.d / 2 * cs_amx::kKeys);
-        w.vp.resize(cs_amx::kSegBlocks * 32 * a.d);
-        w.pb.resize(16 * slots);
-        w.st.resize(std::max<int64_t>(a.c * MB, 16 * slots));
-        w.qt.resize(std::max<int64_t>(static_cast<int64_t>(w.qt.size()), 16 * a.d));
-        if (static_cast<int64_t>(w.acc.size()) < m16 * a.d) w.acc.resize(m16 * a.d);
-        if (static_cast<int64_t>(w.m.size()) < m16) { w.m.resize(m16); w.l.resize(m16); }
+        grow(w.qb, m16 * a.d);
+        grow(w.kt, cs_amx::kSegBlocks * a.d / 2 * cs_amx::kKeys);
+        grow(w.vp, cs_amx::kSegBlocks * 32 * a.d);
+        grow(w.pb, 16 * slots);
+        grow(w.st, 16 * slots), grow(w.qt, 16 * a.d);
+        grow(w.acc, m16 * a.d);
+        grow(w.m, m16), grow(w.l, m16);
       }
 #endif
     } else if constexpr (!std::is_same_v<T, float>) {
-      w.kf.resize(a.c * a.d);
-      w.vf_.resize(a.c * a.d);
+      grow(w.kf, a.c * a.d);
+      grow(w.vf_, a.c * a.d);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it)
