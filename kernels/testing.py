@@ -8,6 +8,8 @@ middle of a path), so the kernels are tested on every shape the context contract
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -196,3 +198,27 @@ def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         q.double().unsqueeze(1), kk, vv, scale=scale
     )  # [Hq, 1, D]
     return o.squeeze(1)
+
+
+def run_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, chunks: Sequence[int],
+           tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A run's valid keys and values in order. pools: [Hkv, N, c, D] -> two [Hkv, T, D]."""
+    pairs = list(zip(chunks, tokens, strict=True))
+    return (torch.cat([k_pool[:, ch, :nt] for ch, nt in pairs], 1),
+            torch.cat([v_pool[:, ch, :nt] for ch, nt in pairs], 1))
+
+
+def lse_reference(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Float64 log-sum-exp of scaled scores. q: [M, D]; k: [T, D] -> [M]."""
+    return torch.logsumexp((q.double() @ k.double().T) * scale, -1)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside the block, restored after it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

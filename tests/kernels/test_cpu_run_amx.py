@@ -14,7 +14,7 @@ import torch
 
 from chunkserve.kernels import cpu_kernel
 from chunkserve.kernels.cpu_kernel import RunTable, run_attention
-from chunkserve.kernels.testing import sdpa_reference
+from chunkserve.kernels.testing import lse_reference, run_kv, sdpa_reference, torch_threads
 from chunkserve.kernels.torch_ops import Workspace
 from chunkserve.workers.device import cpu_info
 
@@ -65,20 +65,15 @@ def test_bf16_runs_over_several_segments_match_float64_references(check, threads
     table = RunTable.build(runs, [chunks, chunks[-3:]], [tokens, tokens[-3:]])
     q = torch.randn(b, hkv, g, d, generator=gen).to(torch.bfloat16).float()
     part_o, part_lse = torch.full((2, b, hkv, g, d), 7.0), torch.full((2, b, hkv, g), 7.0)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         run_attention(cpu_kernel.load_cpu_kernel(), q, k_pool, v_pool, table, d**-0.5, part_o, part_lse, Workspace())
-    finally:
-        torch.set_num_threads(old)
     for r, ((i, j), cl, tl) in enumerate(zip(runs, [chunks, chunks[-3:]], [tokens, tokens[-3:]], strict=True)):
-        keys = torch.cat([k_pool[:, ch, :nt] for ch, nt in zip(cl, tl, strict=True)], 1)  # [Hkv, T, D]
-        vals = torch.cat([v_pool[:, ch, :nt] for ch, nt in zip(cl, tl, strict=True)], 1)
+        keys, vals = run_kv(k_pool, v_pool, cl, tl)  # [Hkv, T, D]
         for h in range(hkv):
             qh = q[i:j, h].reshape(-1, d)
             ref = sdpa_reference(qh, keys[h : h + 1], vals[h : h + 1], d**-0.5)
             assert check.rel_err(part_o[r, i:j, h].reshape(-1, d), ref) < check.tol[torch.bfloat16], (r, h)
-            lse = torch.logsumexp((qh.double() @ keys[h].double().T) * d**-0.5, -1)
+            lse = lse_reference(qh, keys[h], d**-0.5)
             assert torch.allclose(part_lse[r, i:j, h].reshape(-1).double(), lse, atol=2e-2), (r, h)
         assert (part_o[r, :i] == 7.0).all()  # rows outside the run are not written
 
@@ -100,18 +95,14 @@ def test_split_bf16_run_accumulated_into_held_partials_matches_the_reference(che
     q = torch.randn(b, hkv, g, d, generator=gen).to(torch.bfloat16).float()
     qh = q[:, 0].reshape(-1, d)
     o = sdpa_reference(qh, own_k, own_v, d**-0.5).float().reshape(1, b, hkv, g, d).clone()
-    lse = torch.logsumexp((qh.double() @ own_k[0].double().T) * d**-0.5, -1).float().reshape(1, b, hkv, g).clone()
+    lse = lse_reference(qh, own_k[0], d**-0.5).float().reshape(1, b, hkv, g).clone()
     table = RunTable.build([(0, b)], [chunks], [tokens])
     ws = Workspace()
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         run_attention(cpu_kernel.load_cpu_kernel(), q, k_pool, v_pool, table, d**-0.5, o, lse, ws, one_slot=True,
                       accumulate=True)
-    finally:
-        torch.set_num_threads(old)
     assert "cpuk_run_so" in ws._bufs  # really split
-    keys = torch.cat([k_pool[:, ch, :nt] for ch, nt in zip(chunks, tokens, strict=True)] + [own_k], 1)
-    vals = torch.cat([v_pool[:, ch, :nt] for ch, nt in zip(chunks, tokens, strict=True)] + [own_v], 1)
+    keys, vals = run_kv(k_pool, v_pool, chunks, tokens)
+    keys, vals = torch.cat([keys, own_k], 1), torch.cat([vals, own_v], 1)
     ref = sdpa_reference(qh, keys, vals, d**-0.5)
     assert check.rel_err(o[0, :, 0].reshape(-1, d), ref) < check.tol[torch.bfloat16]

@@ -8,7 +8,7 @@ import torch
 
 from chunkserve.kernels import cpu_kernel
 from chunkserve.kernels.cpu_kernel import RunTable, run_attention
-from chunkserve.kernels.testing import sdpa_reference
+from chunkserve.kernels.testing import lse_reference, run_kv, sdpa_reference, torch_threads
 from chunkserve.kernels.torch_ops import Workspace
 
 pytestmark = pytest.mark.skipif(cpu_kernel.load_cpu_kernel() is None, reason="no C++ compiler for the CPU kernel")
@@ -48,21 +48,16 @@ def test_nested_runs_match_float64_references_and_leave_other_rows_alone(check, 
     q = torch.randn(b, hkv, g, d, generator=gen).to(dtype).float()  # a model's queries are in its pool's dtype
     part_o = torch.full((4, b, hkv, g, d), 7.0)
     part_lse = torch.full((4, b, hkv, g), 7.0)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         run_attention(cpu_kernel.load_cpu_kernel(), q, k_pool, v_pool, table, d**-0.5, part_o, part_lse, Workspace())
-    finally:
-        torch.set_num_threads(old)
     tol = 1e-5 if dtype == torch.float32 else check.tol[dtype]
     for r, ((i, j), cl, tl) in enumerate(zip(runs, chunk_lists, token_lists, strict=True)):
-        keys = torch.cat([k_pool[:, ch, :nt] for ch, nt in zip(cl, tl, strict=True)], 1)  # [Hkv, T, D]
-        vals = torch.cat([v_pool[:, ch, :nt] for ch, nt in zip(cl, tl, strict=True)], 1)
+        keys, vals = run_kv(k_pool, v_pool, cl, tl)  # [Hkv, T, D]
         for h in range(hkv):
             qh = q[i:j, h].reshape(-1, d)  # [(j-i)*g, D]
             ref = sdpa_reference(qh, keys[h : h + 1], vals[h : h + 1], d**-0.5)  # one KV head, M query heads
             assert check.rel_err(part_o[r, i:j, h].reshape(-1, d), ref) < tol, (r, h)
-            lse = torch.logsumexp((qh.double() @ keys[h].double().T) * d**-0.5, -1)
+            lse = lse_reference(qh, keys[h], d**-0.5)
             assert torch.allclose(part_lse[r, i:j, h].reshape(-1).double(), lse, atol=1e-3), (r, h)
         outside = torch.ones(b, dtype=torch.bool)
         outside[i:j] = False
@@ -88,8 +83,7 @@ def test_bf16_runs_match_references_for_head_dims_off_the_pair_tiles_and_any_sca
     q = torch.randn(b, hkv, g, d, generator=gen).to(torch.bfloat16).float()
     part_o, part_lse = torch.full((1, b, hkv, g, d), 7.0), torch.full((1, b, hkv, g), 7.0)
     run_attention(cpu_kernel.load_cpu_kernel(), q, k_pool, v_pool, table, sc, part_o, part_lse, Workspace())
-    keys = torch.cat([k_pool[:, ch, :nt] for ch, nt in zip(chunks, tokens, strict=True)], 1)  # [Hkv, T, D]
-    vals = torch.cat([v_pool[:, ch, :nt] for ch, nt in zip(chunks, tokens, strict=True)], 1)
+    keys, vals = run_kv(k_pool, v_pool, chunks, tokens)  # [Hkv, T, D]
     for h in range(hkv):
         qh = q[:, h].reshape(-1, d)
         ref = sdpa_reference(qh, keys[h : h + 1], vals[h : h + 1], sc)
@@ -112,12 +106,8 @@ def test_one_long_run_with_few_heads_is_split_and_merged_exactly(check, threads,
     q = torch.randn(b, hkv, g, d, generator=gen)
     part_o, part_lse = torch.empty(1, b, hkv, g, d), torch.empty(1, b, hkv, g)
     ws = Workspace()
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         run_attention(cpu_kernel.load_cpu_kernel(), q, k_pool, v_pool, table, d**-0.5, part_o, part_lse, ws)
-    finally:
-        torch.set_num_threads(old)
     assert "cpuk_run_so" in ws._bufs  # the split scratch was used: the run really was split
     keys = torch.cat([k_pool[0, ch, :nt] for ch, nt in zip(chunks, tokens, strict=True)])  # [T, D]
     vals = torch.cat([v_pool[0, ch, :nt] for ch, nt in zip(chunks, tokens, strict=True)])
@@ -170,13 +160,9 @@ def test_accumulate_merges_each_runs_partial_into_the_rows_existing_partial(chec
     held_o, held_lse = o[0, 5].clone(), lse[0, 5].clone()
     table = RunTable.build(runs, chunk_lists, token_lists)
     ws = Workspace()
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         run_attention(cpu_kernel.load_cpu_kernel(), q, k_pool, v_pool, table, d**-0.5, o, lse, ws,
                       one_slot=True, accumulate=True)
-    finally:
-        torch.set_num_threads(old)
     assert ("cpuk_run_so" in ws._bufs) == split
     for (i, j), cl, tl in zip(runs, chunk_lists, token_lists, strict=True):
         kr, vr = keys_of(cl, tl)
