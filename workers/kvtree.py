@@ -1,13 +1,16 @@
 """Prefix-tree nodes and sequences of the prefix-aware KV cache (PAKV).
 
 A node is one chunk: up to ``c`` token ids and the pool id holding their K/V. Full chunks are
-indexed in ``parent.children`` by their token tuple and can be shared by any number of sequences.
+indexed in ``parent.children`` by their token tuple (and their keys kept sorted in ``child_keys``, so the
+child sharing the most leading tokens with a prompt's tail is found in O(log n), `Node.closest_child`) and
+can be shared by any number of sequences.
 Partly filled chunks are leaves kept in ``parent.partials``; one shared by two sequences (after a
 fork, or two identical prompts) is copied on write by whichever sequence appends first.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from dataclasses import dataclass, field
 
@@ -17,7 +20,7 @@ import numpy as np
 class Node:
     """One chunk of the prefix tree."""
 
-    __slots__ = ("chunk", "tokens", "parent", "children", "partials", "ref", "pinned",
+    __slots__ = ("chunk", "tokens", "parent", "children", "child_keys", "partials", "ref", "pinned",
                  "last_access", "hash", "depth", "indexed")
 
     def __init__(self, chunk: int, tokens: list[int], parent: Node | None, depth: int) -> None:
@@ -25,6 +28,7 @@ class Node:
         self.tokens = tokens  # token ids of this chunk, len <= c
         self.parent = parent
         self.children: dict[tuple[int, ...], Node] = {}  # full chunks by token tuple
+        self.child_keys: list[tuple[int, ...]] = []  # the same keys, sorted (`add_child`, `detach`)
         self.partials: list[Node] = []  # partly filled leaves
         self.ref = 0  # live sequences whose path runs through this node
         self.pinned = 0  # pins held on this node (pinned nodes are never evicted)
@@ -37,6 +41,27 @@ class Node:
     def num_children(self) -> int:
         return len(self.children) + len(self.partials)
 
+    def add_child(self, key: tuple[int, ...], node: Node) -> None:
+        """Index a full chunk under this node (``key``: its tokens, not yet a key here)."""
+        self.children[key] = node
+        bisect.insort(self.child_keys, key)
+
+    def closest_child(self, tail: list[int]) -> tuple[Node | None, int]:
+        """The full child sharing the most leading tokens with ``tail`` and how many (None, 0 when none shares
+        any). In sorted order the longest common prefix with ``tail`` is at a neighbour of its insertion point,
+        so this costs two comparisons whatever the number of children."""
+        keys = self.child_keys
+        i = bisect.bisect_left(keys, tuple(tail))
+        best: tuple[int, ...] | None = None
+        best_n = 0
+        for key in keys[max(0, i - 1):i + 1]:
+            n, m = 0, min(len(key), len(tail))
+            while n < m and key[n] == tail[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = key, n
+        return (self.children[best], best_n) if best is not None else (None, 0)
+
     def detach(self) -> None:
         """Remove this node from its parent's indexes."""
         parent = self.parent
@@ -45,6 +70,8 @@ class Node:
         key = tuple(self.tokens)
         if parent.children.get(key) is self:
             del parent.children[key]
+            keys = parent.child_keys
+            del keys[bisect.bisect_left(keys, key)]
         else:
             with contextlib.suppress(ValueError):  # an unindexed duplicate full chunk is in neither
                 parent.partials.remove(self)

@@ -101,13 +101,17 @@ class PrefixTree:
         tail = tokens[len(path) * c:(len(path) + 1) * c].tolist()
         best: Node | None = None
         best_n = 0
-        for cand in (*node.partials, *node.children.values()):
+        for cand in node.partials:
             toks = cand.tokens
             n, m = 0, min(len(toks), len(tail))
             while n < m and toks[n] == tail[n]:
                 n += 1
             if n > best_n or (n == best_n and best is not None and n == len(toks) < len(best.tokens)):
                 best, best_n = cand, n
+        # a full child never matches whole here (`_walk` would have taken it), so it wins only by more tokens
+        child, n = node.closest_child(tail)
+        if n > best_n:
+            best, best_n = child, n
         return path, best, best_n
 
     def match_held(self, token_ids: Seq[int] | np.ndarray, salt: bytes = b"") -> tuple[int, int]:
@@ -202,7 +206,7 @@ class PrefixTree:
         if not node.indexed or key in parent.children or not self.share_prefix:
             node.indexed = False  # the same chunk was computed twice concurrently; keep it private
             return
-        parent.children[key] = node
+        parent.add_child(key, node)
         if parent.hash is not None:
             node.hash = chunk_hash(parent.hash, salt, node.tokens)
             self.events.append(CacheEvent("stored", node.hash, node.depth))

@@ -255,3 +255,42 @@ def test_pool_alloc_takes_the_first_run_of_consecutive_free_chunks_else_the_firs
         pool.alloc(2)
     pool.free([9, 11, 12])
     assert pool.alloc(2) == [11, 12] and pool.num_free == 1
+
+
+def test_the_head_match_finds_the_sibling_sharing_most_tokens_among_many_and_after_evictions() -> None:
+    """Prompts that share a few leading tokens (a chat template's head) hang hundreds of full chunks under
+    the root; a new prompt reuses the head of the one sharing the most tokens, exactly as a scan of them all
+    would, also once some of them are evicted."""
+    import random
+
+    rng = random.Random(0)
+    c = 16
+    cache = make(num_chunks=700, c=c)
+    firsts: list[list[int]] = []
+    for i in range(300):
+        toks = [1, 2, 3] + [rng.randrange(4, 12) for _ in range(c - 3)] + [1000 + i] * 4
+        firsts.append(toks[:c])
+        k, v = kv(len(toks), i)
+        cache.remove_sequence(cache.add_sequence(toks, k, v))
+    root = cache._root(b"")
+    assert root.child_keys == sorted(root.children) and len(root.children) > 200
+
+    def brute(q: list[int]) -> int:
+        best = 0
+        for key in root.children:
+            n = 0
+            while n < min(len(key), len(q)) and key[n] == q[n]:
+                n += 1
+            best = max(best, n)
+        return best
+
+    for _ in range(200):
+        q = [1, 2, 3] + [rng.randrange(4, 12) for _ in range(c - 4)] + [5000]
+        assert cache.match(q) == brute(q)
+    q = firsts[7][:11] + [5000] * 5
+    assert cache.match(q) == brute(q) >= 11
+    cache.evict(150)
+    assert root.child_keys == sorted(root.children) and len(root.children) < 300
+    for _ in range(100):
+        q = [1, 2, 3] + [rng.randrange(4, 12) for _ in range(c - 4)] + [5000]
+        assert cache.match(q) == brute(q)
