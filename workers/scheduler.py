@@ -11,7 +11,9 @@ later ahead of it), and
 never past the request next in that order when it does not fit yet. Going first by size is bounded: a
 request overtaken by ``fair_quantum`` tokens of its tenant's later arrivals is overdue and goes first.
 A step that already ends `HOLD_FIRST_TOKENS` prompts takes no piece of a prompt it cannot end, so a
-burst's first tokens are not held back by the next long prompt; it passes over such prompts (up to
+burst's first tokens are not held back by the next long prompt (under fair share one such prompt is enough
+when its request won the pick over another tenant's work: a light tenant's first token comes from a short
+step, not one filled with the heavy tenant's prompt pieces); it passes over such prompts (up to
 `HOLD_SKIPS`) to the ones it can end, so a chat whose system prompt was just computed is not left out of its
 group's step because long prompts arrived before it. When a decode cannot get a slot a victim
 is preempted (its chunks released, so they stay cached) and requeued at its arrival position: the running
@@ -156,17 +158,17 @@ class Scheduler:
         in_decode = {id(r) for r in decodes}
         pending = [r for r in self.running if r.prefilling and id(r) not in in_decode
                    and id(r) not in self._preempted_now]
-        admitting, ending = True, 0
+        admitting, ending, hold = True, 0, HOLD_FIRST_TOKENS
         skipped: set[int] = set()  # prompts this step passed over (they cannot end in it)
         self._step += 1  # `_remaining` matches a waiting request at most once per step
         while budget > 0:
             can_admit = admitting and bool(self.waiting) and len(self.running) < self.config.max_num_seqs
-            nxt, passed = ((first, []) if first is not None and can_admit
-                           else self._next_prefill(pending, can_admit, skipped))
+            nxt, passed, contested = ((first, [], True) if first is not None and can_admit
+                                      else self._next_prefill(pending, can_admit, skipped))
             first = None
             if nxt is None:
                 break
-            if ending >= HOLD_FIRST_TOKENS and self._remaining(nxt) > budget:
+            if ending >= hold and self._remaining(nxt) > budget:
                 # a piece that cannot end its prompt would hold back this step's many first tokens: look for
                 # prompts it can end instead (a burst's late chats of a tenant whose system prompt is computed)
                 if len(skipped) >= HOLD_SKIPS:
@@ -184,13 +186,16 @@ class Scheduler:
             n = self._plan_prefill(nxt, budget, plan)
             for r in passed:  # older requests of its tenant this piece went before (the aging bound)
                 r.overtaken += n
-            ending += bool(plan.prefills and plan.prefills[-1].req is nxt and plan.prefills[-1].samples)
+            ends = bool(plan.prefills and plan.prefills[-1].req is nxt and plan.prefills[-1].samples)
+            ending += ends
+            if ends and contested:  # it went before another tenant's work: its first token from a short step
+                hold = 1
             budget -= n
         self._plan_decode_batch(decodes, plan)
         return plan
 
     def _next_prefill(self, pending: list[Request], can_admit: bool, skipped: set[int] | frozenset[int] = frozenset()
-                      ) -> tuple[Request | None, list[Request]]:
+                      ) -> tuple[Request | None, list[Request], bool]:
         """Whose prompt work goes next: candidates are the running requests with prompt left and, when
         ``can_admit``, each tenant's oldest `SCAN_WAITING` waiting ones. First come, first served: the oldest.
         Fair share: each tenant puts forward its oldest overdue request, else its oldest with at most two
@@ -198,21 +203,21 @@ class Scheduler:
         started prompt goes on), else its oldest; `FairShare.choose`
         picks among those. A request overtaken by ``fair_quantum`` tokens of its tenant's later arrivals is
         overdue, so going first by size never starves a long prompt (across tenants the quantum bounds it).
-        Requests in ``skipped`` (by id) are passed over. Returns it and the older candidates of its tenant it
-        goes before."""
+        Requests in ``skipped`` (by id) are passed over. Returns it, the older candidates of its tenant it
+        goes before, and whether it won over another tenant's candidate (fair share only)."""
         if not self.config.fair_share:
             oldest = min((r for r in pending if id(r) not in skipped), key=lambda r: r.seq, default=None)
             head = next((r for r in self.waiting if id(r) not in skipped), None) if can_admit else None
             if head is not None and (oldest is None or head.seq < oldest.seq):
                 oldest = head
-            return oldest, []
+            return oldest, [], False
         cands = [r for r in pending if id(r) not in skipped]
         if can_admit:
             for queue in self._waiting_by_tenant.values():  # each in arrival order
                 cands += (queue[:SCAN_WAITING] if not skipped
                           else list(itertools.islice((r for r in queue if id(r) not in skipped), SCAN_WAITING)))
         if not cands:
-            return None, []
+            return None, [], False
         c, q = self.cache.chunk_size, self.config.fair_quantum
         by_tenant: dict[str, list[Request]] = {}
         for r in sorted(cands, key=lambda r: r.seq):
@@ -221,7 +226,7 @@ class Scheduler:
                  or next((r for r in rs if self._remaining(r) <= 2 * c), None)
                  or next((r for r in rs if r.status is Status.RUNNING), rs[0]) for rs in by_tenant.values()]
         nxt = self.fair.choose(heads, self._remaining)
-        return nxt, [r for r in cands if r.tenant == nxt.tenant and r.seq < nxt.seq]
+        return nxt, [r for r in cands if r.tenant == nxt.tenant and r.seq < nxt.seq], len(by_tenant) > 1
 
     def _remaining(self, req: Request) -> int:
         """Tokens of its `prefill_len` still to compute: a waiting request's cached prefix (its whole matching

@@ -94,6 +94,27 @@ def test_fair_share_prefills_a_light_prompt_before_heavy_prompts_already_running
     assert fair == 1 and fcfs > 4, (fair, fcfs)
 
 
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_light_tenants_first_token_step_carries_no_heavy_prompt_piece_it_cannot_end(fair: bool) -> None:
+    """A light chat that goes before a heavy tenant's long prompt ends in a step of its own prompt (and the
+    decodes): the heavy piece, which could not end there, takes the next step with the whole budget. First
+    come, first served fills the step as before; so does a step whose prompt had no other tenant's work to
+    go before (the lone-tenant case of the test above)."""
+    sim = make_sim(128, max_num_seqs=8, max_num_batched_tokens=256, fair_share=fair)
+    sim.add("h0", [300] * 1024, 4, tenant="heavy")
+    sim.run_step()  # h0's first 256 prompt tokens
+    sim.add("light", [9] * 100, 4, tenant="light")
+    sampled = sim.run_step()
+    if fair:
+        assert [r.request_id for r in sampled] == ["light"]
+        assert sim.reqs["h0"].num_computed == 256  # no heavy piece in the light chat's step
+        sim.run_step()
+        assert sim.reqs["h0"].num_computed == 256 + 255  # the next step: the light decode and the heavy piece
+    else:
+        assert sim.reqs["h0"].num_computed == 512  # FCFS: h0's piece fills the step, light waits
+        assert "light" not in {r.request_id for r in sampled}
+
+
 def test_fair_share_is_work_conserving_for_a_lone_tenant() -> None:
     steps = []
     for fair in (True, False):
