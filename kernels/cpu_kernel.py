@@ -253,8 +253,8 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
             and part_o.shape[1:] == q4.shape and part_lse.shape == (part_o.shape[0], *q4.shape[:3])
             and part_o.dtype == part_lse.dtype == torch.float32):
         raise ValueError("part_o / part_lse must be contiguous fp32 [S >= runs, b, Hkv, g, D] / [S, b, Hkv, g]")
-    qs = ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device)
-    torch.mul(q4, scale, out=qs)  # [b, Hkv, g, D], pre-scaled
+    raw = q4.is_contiguous() and q4.dtype == torch.float32  # the kernel scales q as it reads it (kRawQ)
+    qs = q4 if raw else torch.mul(q4, scale, out=ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device))
     threads, nsplit, mmax = run_launch_params(table, hkv, g, d, c)
     so = slse = None
     if nsplit > 1:
@@ -264,7 +264,8 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
                     DTYPE_CODES[k_pool_l.dtype], table.rows.data_ptr(), table.cptr.data_ptr(),
                     table.chunks.data_ptr(), table.tokens.data_ptr(), n_runs, b, hkv, g, d, c, nsplit, mmax,
                     None if so is None else so.data_ptr(), None if slse is None else slse.data_ptr(),
-                    part_o.data_ptr(), part_lse.data_ptr(), threads, int(one_slot) | 2 * int(accumulate), scale)
+                    part_o.data_ptr(), part_lse.data_ptr(), threads, int(one_slot) | 2 * int(accumulate) | 4 * int(raw),
+                    scale)
     if rc != 0:
         raise RuntimeError(f"cs_run_attention failed with code {rc} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")
 

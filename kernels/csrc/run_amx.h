@@ -6,10 +6,11 @@
 //
 // An item's chunks are cut into key blocks of up to 64 keys and grouped into segments of 16 blocks, packed
 // once: key pairs transposed (kt [d/2, 64] per block, the B tiles of S) and value pairs (vp [32, d], the B
-// tiles of P V). Then per 16-row block of queries (bf16 [16, d], the A tiles of S):
-//   S [16, 1024] = Q K^T                    four 16 x 16 fp32 tiles per key block
-//   softmax       exact over the segment, per row, vectorised over keys (one max, one sum)
-//   O [16, d]     = P V, four 16 x 16 tiles (64 columns of d) kept in registers over the whole segment
+// tiles of P V). Then per pair of 16-row blocks of queries (bf16 [32, d], the A tiles of S; a lone last block
+// alone), so that each key and value tile loaded from L2 serves 32 rows:
+//   S [32, 1024] = Q K^T                    2 x 2 fp32 tiles at a time, each row's max taken as its block lands
+//   softmax       exact over the segment, per row, vectorised over keys (one pass: exp, sum, bf16 P)
+//   O [32, d]     = P V, 2 x 2 tiles (32 columns of d) kept in the tiles over the whole segment
 // and the segment's (O, max, sum) is merged online into the row block's running (acc, m, l).
 // Queries and probabilities are rounded to bf16 (nearest even) as in run_bf16.h, sums stay fp32, and the
 // softmax scale multiplies the fp32 scores. Only valid key slots are read: key pairs, value pairs and
@@ -114,7 +115,8 @@ struct Segment {
   uint32_t* vp;               // [kSegBlocks, 32, d] value pairs
 };
 
-// Scratch of one thread: s [16, 1024] fp32 scores, p [16, 1024] bf16 probabilities, o [16, d] fp32.
+// Scratch of one thread: s [32, kLd] fp32 scores, p [32, kLdP] bf16 probabilities, o [32, d] fp32 (two row
+// blocks at a time).
 struct Buffers {
   float* s;
   uint16_t* p;
@@ -144,31 +146,72 @@ inline void dp4(const void* a, int64_t lda, const uint32_t* b, int64_t ldb) {
   _tile_dpbf16ps(3, 4, 5);
 }
 
-// S [16, 64 * nblk] of one row block (bf16 rows q [16, d]) into s (row stride 1024), unscaled.
-__attribute__((noinline)) void seg_scores(const uint16_t* q, const Segment& seg, int64_t d, float* s) {
-  constexpr int64_t ld = kSegBlocks * kKeys * 4;
-  for (int64_t b = 0; b < seg.nblk; ++b) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kd = 0; kd < d / 32; ++kd) {
-      dp4(q + kd * 32, d * 2, seg.kt + (b * d / 2 + kd * 16) * kKeys, kKeys * 4);
-    }
-    float* sb = s + b * kKeys;
-    _tile_stored(0, sb, ld);
-    _tile_stored(1, sb + 16, ld);
-    _tile_stored(2, sb + 32, ld);
-    _tile_stored(3, sb + 48, ld);
+// Row strides of the score (fp32) and probability (bf16) buffers: a segment's 1,024 slots plus one cache line, so
+// that the 32 rows of a tile pair fall in different L1 sets (a 4 KiB stride puts them all in one set).
+constexpr int64_t kLd = kSegBlocks * kKeys + 16;
+constexpr int64_t kLdP = kSegBlocks * kKeys + 32;
+
+// Row maxima of key block b's scores, just stored (so read from L1), folded into mv [rows] (16 lanes each):
+// the softmax's max pass without a second read of the segment's scores.
+inline void block_max(const Segment& seg, int64_t b, const float* s, int64_t rows, __m512* mv) {
+  for (int j = 0; j < 4; ++j) {
+    const int64_t n = seg.valid[b] - 16 * j;
+    if (n <= 0) break;
+    const __mmask16 k = n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t x = 0; x < rows; ++x)
+      mv[x] = _mm512_mask_max_ps(mv[x], k, mv[x], _mm512_loadu_ps(s + x * kLd + b * kKeys + 16 * j));
   }
 }
 
-// Softmax of each row's scores over the segment's valid keys: p = bf16(exp(scale * s - mx)), with mx[x]
-// and sum[x] (of the fp32 values, before rounding) returned; invalid slots get p = 0.
-__attribute__((noinline)) void seg_softmax(const Segment& seg, const float* s, float scale, uint16_t* p, float* mx,
-                                           float* sum) {
-  constexpr int64_t ld = kSegBlocks * kKeys;
-  const __m512 sc = _mm512_set1_ps(scale), vninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+// S [16 R, 64 * nblk] of R = 1 or 2 row blocks (bf16 rows q [16 R, d]) into s (row stride kLd), unscaled, with
+// each row's max in mv. Two row blocks share every key tile load (the segment's key pairs come from L2):
+// tiles 0-3 = {block 0, block 1} x {key tile 2k, 2k + 1}, A tiles 4-5, B tiles 6-7.
+template <int R>
+__attribute__((noinline)) void seg_scores(const uint16_t* q, const Segment& seg, int64_t d, float* s, __m512* mv) {
+  for (int64_t b = 0; b < seg.nblk; ++b) {
+    const uint32_t* kb = seg.kt + b * d / 2 * kKeys;
+    float* sb = s + b * kKeys;
+    if constexpr (R == 1) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kd = 0; kd < d / 32; ++kd) dp4(q + kd * 32, d * 2, kb + kd * 16 * kKeys, kKeys * 4);
+      _tile_stored(0, sb, kLd * 4);
+      _tile_stored(1, sb + 16, kLd * 4);
+      _tile_stored(2, sb + 32, kLd * 4);
+      _tile_stored(3, sb + 48, kLd * 4);
+    } else {
+      for (int64_t t = 0; t < seg.valid[b]; t += 32) {  // key tiles past the valid keys are never read
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kd = 0; kd < d / 32; ++kd) {
+          _tile_loadd(4, q + kd * 32, d * 2);
+          _tile_loadd(5, q + 16 * d + kd * 32, d * 2);
+          _tile_loadd(6, kb + kd * 16 * kKeys + t, kKeys * 4);
+          _tile_loadd(7, kb + kd * 16 * kKeys + t + 16, kKeys * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, sb + t, kLd * 4);
+        _tile_stored(1, sb + t + 16, kLd * 4);
+        _tile_stored(2, sb + 16 * kLd + t, kLd * 4);
+        _tile_stored(3, sb + 16 * kLd + t + 16, kLd * 4);
+      }
+    }
+    block_max(seg, b, s, 16 * R, mv);
+  }
+}
+
+// Softmax of ``rows`` rows' scores over the segment's valid keys, given their maxima mv: p = bf16(exp(scale * s
+// - mx)), with mx[x] and sum[x] (of the fp32 values, before rounding) returned; invalid slots get p = 0.
+__attribute__((noinline)) void seg_exp(const Segment& seg, const float* s, int64_t rows, float scale, const __m512* mv,
+                                       uint16_t* p, float* mx, float* sum) {
+  const __m512 sc = _mm512_set1_ps(scale);
   __mmask16 valid[kSegBlocks * 4];
   for (int64_t b = 0; b < seg.nblk; ++b)
     for (int j = 0; j < 4; ++j) {
@@ -176,52 +219,75 @@ __attribute__((noinline)) void seg_softmax(const Segment& seg, const float* s, f
       valid[b * 4 + j] = n >= 16 ? static_cast<__mmask16>(0xffff) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
     }
   const int64_t nv = seg.nblk * 4;
-  for (int64_t x = 0; x < 16; ++x) {
-    const float* sr = s + x * ld;
-    __m512 m = vninf;
-    for (int64_t j = 0; j < nv; ++j) m = _mm512_mask_max_ps(m, valid[j], m, _mm512_loadu_ps(sr + 16 * j));
-    const float mxs = _mm512_reduce_max_ps(m) * scale;  // scale > 0: the max of scaled scores
+  for (int64_t x = 0; x < rows; ++x) {
+    const float* sr = s + x * kLd;
+    const float mxs = _mm512_reduce_max_ps(mv[x]) * scale;  // scale > 0: the max of scaled scores
     const __m512 vm = _mm512_set1_ps(mxs);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t j = 0; j < nv; ++j) {
-      const __m512 e = _mm512_maskz_mov_ps(valid[j], cs_dp::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + 16 * j), sc, vm)));
+      const __m512 z = _mm512_fmsub_ps(_mm512_loadu_ps(sr + 16 * j), sc, vm);
+      const __m512 e = _mm512_maskz_mov_ps(valid[j], cs_dp::exp16(z));
       acc = _mm512_add_ps(acc, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + x * ld + 16 * j), (__m256i)_mm512_cvtneps_pbh(e));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + x * kLdP + 16 * j), (__m256i)_mm512_cvtneps_pbh(e));
     }
     mx[x] = mxs;
     sum[x] = _mm512_reduce_add_ps(acc);
   }
 }
 
-// o [16, d] = P [16, 64 * nblk] V over the segment's value pairs (o row stride d).
+// o [16 R, d] = P [16 R, 64 * nblk] V over the segment's value pairs (o row stride d). One row block: tiles 0-3
+// are 64 columns of d; two: {block 0, block 1} x 32 columns, sharing each value tile load.
+template <int R>
 __attribute__((noinline)) void seg_pv(const Segment& seg, const uint16_t* p, int64_t d, float* o) {
-  constexpr int64_t ldp = kSegBlocks * kKeys * 2;
-  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+  for (int64_t c0 = 0; c0 < d; c0 += 64 / R) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t b = 0; b < seg.nblk; ++b)
       for (int64_t ks = 0; ks < (seg.valid[b] + 31) / 32; ++ks) {
-        dp4(p + b * kKeys + ks * 32, ldp, seg.vp + (b * 32 + ks * 16) * d + c0, d * 4);
+        const uint16_t* pa = p + b * kKeys + ks * 32;
+        const uint32_t* vb = seg.vp + (b * 32 + ks * 16) * d + c0;
+        if constexpr (R == 1) {
+          dp4(pa, kLdP * 2, vb, d * 4);
+        } else {
+          _tile_loadd(4, pa, kLdP * 2);
+          _tile_loadd(5, pa + 16 * kLdP, kLdP * 2);
+          _tile_loadd(6, vb, d * 4);
+          _tile_loadd(7, vb + 16, d * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
       }
-    _tile_stored(0, o + c0, d * 4);
-    _tile_stored(1, o + c0 + 16, d * 4);
-    _tile_stored(2, o + c0 + 32, d * 4);
-    _tile_stored(3, o + c0 + 48, d * 4);
+    if constexpr (R == 1) {
+      _tile_stored(0, o + c0, d * 4);
+      _tile_stored(1, o + c0 + 16, d * 4);
+      _tile_stored(2, o + c0 + 32, d * 4);
+      _tile_stored(3, o + c0 + 48, d * 4);
+    } else {
+      _tile_stored(0, o + c0, d * 4);
+      _tile_stored(1, o + c0 + 16, d * 4);
+      _tile_stored(2, o + 16 * d + c0, d * 4);
+      _tile_stored(3, o + 16 * d + c0 + 16, d * 4);
+    }
   }
 }
 
-// One 16-row block (bf16 queries q [16, d]) against a segment, merged online into its running (acc, m, l);
-// acc [16, d] is unnormalised, m = -inf marks a row with nothing yet.
-inline void seg_rows(const Segment& seg, const uint16_t* q, int64_t d, float scale, const Buffers& buf, float* acc,
-                     float* m, float* l) {
-  alignas(64) float mx[16], sum[16];
-  seg_scores(q, seg, d, buf.s);
-  seg_softmax(seg, buf.s, scale, buf.p, mx, sum);
-  const bool first = m[0] == -std::numeric_limits<float>::infinity();  // every row of a block starts together
-  seg_pv(seg, buf.p, d, first ? acc : buf.o);
-  for (int64_t x = 0; x < 16; ++x) {
+// R = 1 or 2 row blocks (bf16 queries q [16 R, d]) against a segment, merged online into their running (acc, m, l)
+// (rows contiguous); acc [16 R, d] is unnormalised, m = -inf marks rows with nothing yet.
+template <int R>
+void seg_rows(const Segment& seg, const uint16_t* q, int64_t d, float scale, const Buffers& buf, float* acc, float* m,
+              float* l) {
+  alignas(64) float mx[16 * R], sum[16 * R];
+  __m512 mv[16 * R];
+  for (auto& v : mv) v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  seg_scores<R>(q, seg, d, buf.s, mv);
+  seg_exp(seg, buf.s, 16 * R, scale, mv, buf.p, mx, sum);
+  const bool first = m[0] == -std::numeric_limits<float>::infinity();  // every row of an item starts together
+  seg_pv<R>(seg, buf.p, d, first ? acc : buf.o);
+  for (int64_t x = 0; x < 16 * R; ++x) {
     if (first) {
       m[x] = mx[x];
       l[x] = sum[x];

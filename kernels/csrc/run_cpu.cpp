@@ -27,18 +27,12 @@
 
 namespace {
 
-using cs::kW;
-using cs::vf;
-using cs_dp::exp_pairs;
-using cs_dp::pack_values;
-using cs_dp::pv_pairs;
-using cs_dp::scores_pairs;
-using cs_tiles::pv;
-using cs_tiles::scores;
-using cs_tiles::Tile;
+using cs::kW, cs::vf;
+using cs_dp::exp_pairs, cs_dp::pack_values, cs_dp::pv_pairs, cs_dp::scores_pairs;
+using cs_tiles::pv, cs_tiles::scores, cs_tiles::Tile;
 
 struct RunArgs {
-  const float* q;          // [b, hkv, g, d] fp32, pre-scaled
+  const float* q;          // [b, hkv, g, d] fp32, pre-scaled (unscaled with kRawQ)
   const void* k;           // pool layer, element (h, n, t, j) at h*hs + n*cs + t*d + j
   const void* v;
   int64_t hs, cs;
@@ -51,12 +45,15 @@ struct RunArgs {
   float* slse;             // [R, hkv, nsplit, mmax]
   float* o;                // [R, b, hkv, g, d]
   float* lse;              // [R, b, hkv, g]
-  int64_t flags;           // kOneSlot | kAccumulate
+  int64_t flags;           // kOneSlot | kAccumulate | kRawQ
   float qscale;            // the scale q was multiplied by (the bf16 pair path packs q / qscale, then scales S)
 };
 
 constexpr int64_t kOneSlot = 1;     // every run writes slot 0 (their rows are disjoint)
 constexpr int64_t kAccumulate = 2;  // merge into (o, lse) of slot 0 instead of overwriting them
+constexpr int64_t kRawQ = 4;        // q arrives unscaled: multiplied by qscale as it is read (the same product)
+
+inline float qpre(const RunArgs& a) { return (a.flags & kRawQ) ? a.qscale : 1.f; }
 
 inline int64_t oslot(const RunArgs& a, int64_t r) { return (a.flags & kOneSlot) ? 0 : r; }
 
@@ -133,7 +130,7 @@ void finish_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, const float*
 // run_item on bf16 chunks with AMX tiles (run_amx.h): the same (acc, m, l) per row, in 16-row blocks.
 void run_item_amx(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
   const int64_t d = a.d, i = a.rows[2 * r], M = (a.rows[2 * r + 1] - i) * a.g, nrb = (M + 15) / 16;
-  const float rs = 1.f / a.qscale;  // as in run_item: a bf16 model's queries come back exactly
+  const __m512 rs = _mm512_set1_ps(1.f / a.qscale), pre = _mm512_set1_ps(qpre(a));  // as in run_item
   uint16_t* qb = w.qb.data();
   for (int64_t x = 0; x < nrb * 16; ++x) {
     if (x >= M) {
@@ -141,20 +138,20 @@ void run_item_amx(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w)
       continue;
     }
     const float* src = qrow(a, i, h, x);
-    for (int64_t j = 0; j < d; j += 16)  // nearest even, as cs::bf16_bits
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + x * d + j),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + j), _mm512_set1_ps(rs))));
+    for (int64_t j = 0; j < d; j += 16) {  // nearest even, as cs::bf16_bits
+      const __m512 qv = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(src + j), pre), rs);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + x * d + j), (__m256i)_mm512_cvtneps_pbh(qv));
+    }
   }
   float *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data();
   std::fill(m, m + nrb * 16, -std::numeric_limits<float>::infinity());
   std::fill(l, l + nrb * 16, 0.f);
-  cs_amx::Segment seg;
-  seg.kt = w.kt.data();
-  seg.vp = w.vp.data();
+  cs_amx::Segment seg{0, {}, w.kt.data(), w.vp.data()};
   const cs_amx::Buffers buf{w.st.data(), w.pb.data(), w.qt.data()};
   auto flush = [&]() {
-    for (int64_t rb = 0; rb < nrb && seg.nblk > 0; ++rb)
-      cs_amx::seg_rows(seg, qb + rb * 16 * d, d, a.qscale, buf, acc + rb * 16 * d, m + rb * 16, l + rb * 16);
+    for (int64_t rb = 0; rb < nrb && seg.nblk > 0; rb += 2)  // row blocks in pairs, a lone last one alone
+      (rb + 1 < nrb ? cs_amx::seg_rows<2> : cs_amx::seg_rows<1>)(seg, qb + rb * 16 * d, d, a.qscale, buf,
+                                                                  acc + rb * 16 * d, m + rb * 16, l + rb * 16);
     seg.nblk = 0;
   };
   const int64_t c0 = a.cptr[r], P = a.cptr[r + 1] - c0;
@@ -188,7 +185,7 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
   const float ninf = -std::numeric_limits<float>::infinity();
   float* qt = w.qt.data();  // [nrb, d, MB] fp32, or [nrb, d/2, MB] bf16 pairs
   uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
-  const float rs = 1.f / a.qscale;  // bf16 queries (a bf16 model's) come back exactly: q * s * (1 / s) rounds to q
+  const float rs = 1.f / a.qscale, pre = qpre(a);  // a bf16 model's queries come back: q * s * (1 / s) rounds to q
   for (int64_t rb = 0; rb < nrb; ++rb)
     for (int64_t x = 0; x < MB; ++x) {
       const int64_t row = rb * MB + x;
@@ -196,9 +193,10 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
       if constexpr (kPairs<T>) {
         for (int64_t j = 0; j < d; j += 2)
           qp[(rb * d / 2 + j / 2) * MB + x] =
-              src ? cs::bf16_bits(src[j] * rs) | (static_cast<uint32_t>(cs::bf16_bits(src[j + 1] * rs)) << 16) : 0u;
+              src ? cs::bf16_bits(src[j] * pre * rs) | static_cast<uint32_t>(cs::bf16_bits(src[j + 1] * pre * rs)) << 16
+                  : 0u;
       } else {
-        for (int64_t j = 0; j < d; ++j) qt[(rb * d + j) * MB + x] = src ? src[j] : 0.f;
+        for (int64_t j = 0; j < d; ++j) qt[(rb * d + j) * MB + x] = src ? src[j] * pre : 0.f;
       }
     }
   float *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data(), *st = w.st.data();
@@ -326,12 +324,12 @@ void run(const RunArgs& a, int nthreads) {
       grow(w.vp, (a.c + 1) / 2 * a.d);
 #ifdef CS_RUN_AMX
       if (cs_amx::usable(a.d)) {  // segment buffers (run_amx.h)
-        const int64_t m16 = (a.mmax + 15) / 16 * 16, slots = cs_amx::kSegBlocks * cs_amx::kKeys;
+        const int64_t m16 = (a.mmax + 15) / 16 * 16;
         grow(w.qb, m16 * a.d);
         grow(w.kt, cs_amx::kSegBlocks * a.d / 2 * cs_amx::kKeys);
         grow(w.vp, cs_amx::kSegBlocks * 32 * a.d);
-        grow(w.pb, 16 * slots);
-        grow(w.st, 16 * slots), grow(w.qt, 16 * a.d);
+        grow(w.pb, 32 * cs_amx::kLdP);
+        grow(w.st, 32 * cs_amx::kLd), grow(w.qt, 32 * a.d);
         grow(w.acc, m16 * a.d);
         grow(w.m, m16), grow(w.l, m16);
       }
@@ -367,8 +365,8 @@ int cs_run_amx(int64_t d) {
 }
 
 // dtype: 0 fp32, 1 bf16, 2 fp16; flags: kOneSlot (1) writes every run into slot 0, kAccumulate (2, with
-// kOneSlot) merges into the (o, lse) there; q arrives multiplied by qscale (> 0). Returns 0, or a negative
-// code for unsupported arguments.
+// kOneSlot) merges into the (o, lse) there; q arrives multiplied by qscale (> 0), or unscaled with kRawQ (4).
+// Returns 0, or a negative code for unsupported arguments.
 int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
                      const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
                      int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
