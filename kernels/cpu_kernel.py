@@ -123,7 +123,7 @@ class CpuDecodeKernel:
         self._fn = fn
         runs = lib.cs_run_attention
         runs.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, *[i64] * 8, ptr, ptr, ptr, ptr,
-                         ctypes.c_int, i64, ctypes.c_float]
+                         ctypes.c_int, i64, ctypes.c_float, ptr]
         runs.restype = ctypes.c_int
         self._runs = runs
         layer = lib.cs_decode_layer
@@ -215,11 +215,13 @@ class RunTable:
     max_rows: int         # largest j - i
     max_chunks: int       # largest P_r
     row_keys: int         # sum over runs of (j - i) * valid keys: the work, in row-key pairs
+    qpos: torch.Tensor | None = None  # [R] int32, causal runs (AMX only): key index of each run's first row's token
     launch: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def build(runs: list[tuple[int, int]], chunk_lists: list[tuple[int, ...]],
-              token_lists: list[tuple[int, ...]]) -> RunTable:
+              token_lists: list[tuple[int, ...]], qpos: list[int] | None = None) -> RunTable:
+        """With ``qpos`` the runs are causal: the token of run row i + t sees the run's keys [0, qpos + t]."""
         cptr = [0]
         for cl in chunk_lists:
             cptr.append(cptr[-1] + len(cl))
@@ -231,7 +233,8 @@ class RunTable:
             tokens=torch.tensor([x for tl in token_lists for x in tl], dtype=i32),
             max_rows=max((j - i for i, j in runs), default=0),
             max_chunks=max((len(cl) for cl in chunk_lists), default=0),
-            row_keys=sum((j - i) * sum(tl) for (i, j), tl in zip(runs, token_lists, strict=True)))
+            row_keys=sum((j - i) * sum(tl) for (i, j), tl in zip(runs, token_lists, strict=True)),
+            qpos=None if qpos is None else torch.tensor(qpos, dtype=i32))
 
 
 def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor,
@@ -265,7 +268,7 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
                     table.chunks.data_ptr(), table.tokens.data_ptr(), n_runs, b, hkv, g, d, c, nsplit, mmax,
                     None if so is None else so.data_ptr(), None if slse is None else slse.data_ptr(),
                     part_o.data_ptr(), part_lse.data_ptr(), threads, int(one_slot) | 2 * int(accumulate) | 4 * int(raw),
-                    scale)
+                    scale, None if table.qpos is None else table.qpos.data_ptr())
     if rc != 0:
         raise RuntimeError(f"cs_run_attention failed with code {rc} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")
 
@@ -284,7 +287,7 @@ def _launch_params(table: RunTable, hkv: int, d: int, c: int, threads: int) -> t
     n_runs = table.rows.shape[0]
     if table.row_keys * hkv * d < SERIAL_ELEMENTS:
         return 1, 1
-    if n_runs * hkv >= 4 * threads or table.max_chunks <= 1:
+    if n_runs * hkv >= 4 * threads or table.max_chunks <= 1 or table.qpos is not None:  # causal runs: no splits
         return threads, 1
     # split long runs when runs x heads alone cannot keep every thread busy: the fewest splits whose items,
     # handed out in order to the first free thread (the kernel's dynamic schedule), finish soonest

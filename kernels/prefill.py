@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkserve.kernels.prefill_runs import CpuPrefillPlan, chunk_first_prefill, run_kernel
+from chunkserve.kernels.prefill_runs import CpuPrefillPlan, causal_runs, chunk_first_prefill, run_kernel
 from chunkserve.kernels.torch_ops import merge_into, partial_attention
 
 PREFILL_BACKENDS = ("torch", "triton", "auto")
@@ -50,12 +50,13 @@ class PrefillTables:
         """(chunk ids, valid tokens) per row as host lists, made once for all layers (torch path)."""
         return self.table_host.tolist(), self.tokens_host.tolist()
 
-    def cpu_plan(self, c: int) -> CpuPrefillPlan:
-        """The CPU path's runs and small-row tables for chunk size ``c``, made once for all layers."""
-        key = f"_cpu_plan_{c}"
+    def cpu_plan(self, c: int, causal: bool = False) -> CpuPrefillPlan:
+        """The CPU path's runs and small-row tables for chunk size ``c`` (``causal``: the AMX form,
+        `CpuPrefillPlan.build`), made once for all layers."""
+        key = f"_cpu_plan_{c}_{int(causal)}"
         plan = self.__dict__.get(key)
         if plan is None:
-            plan = CpuPrefillPlan.build(*self.lists, self.starts, self.cu, c)
+            plan = CpuPrefillPlan.build(*self.lists, self.starts, self.cu, c, causal)
             self.__dict__[key] = plan  # a per-step memo on a frozen instance, as functools.cached_property does
         return plan
 
@@ -269,6 +270,6 @@ def prefill_step(q: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor
         return prefill_triton(q, k_pool_l, v_pool_l, tables, float(scale))
     kern = run_kernel(q, k_pool_l)
     if kern is not None:  # chunk-first over the step's plan, built once for all layers
-        plan = tables.cpu_plan(k_pool_l.shape[2])
+        plan = tables.cpu_plan(k_pool_l.shape[2], causal_runs(kern, k_pool_l))
         return chunk_first_prefill(kern, q, k_pool_l, v_pool_l, plan, float(scale)).to(q.dtype)
     return prefill_torch(q, k_pool_l, v_pool_l, *tables.lists, tables.starts, tables.cu, float(scale))

@@ -13,6 +13,11 @@ kernels, and its keys split in three parts, each one call for the whole step:
 * **own chunk**: each token attends its own chunk up to its own position in the in-place decode kernel (the
   causal mask is the valid-token count).
 
+Where bf16 runs go through AMX tiles (`csrc/run_amx.h`) the block runs and the own chunk are one **causal run**
+per piece of a request's tokens instead: the piece's rows against all of the request's chunks after its shared
+run, each row masked at its own position inside the kernel, so those chunks are packed once per piece rather
+than once per chunk of new tokens, and the own chunk is matrix work too.
+
 The kernel merges each run's partial into the token's (o, lse) by log-sum-exp as it writes it. The plan (runs
 and tables) is built once per step for all layers (`PrefillTables.cpu_plan`).
 """
@@ -83,6 +88,11 @@ def run_kernel(q: torch.Tensor, pool: torch.Tensor) -> CpuDecodeKernel | None:
     return kern
 
 
+def causal_runs(kern: CpuDecodeKernel, pool: torch.Tensor) -> bool:
+    """Whether this step's plan takes the causal-run form: bf16 pools whose runs go through AMX tiles."""
+    return pool.dtype == torch.bfloat16 and kern.amx_tiles(pool.shape[3])
+
+
 @dataclass(frozen=True)
 class CpuPrefillPlan:
     """A prefill step's kernel tables on the CPU path (see the module docstring), for every layer: the shared
@@ -94,11 +104,12 @@ class CpuPrefillPlan:
     blocks: RunTable | None
     own_table: torch.Tensor
     own_seen: torch.Tensor
+    causal: RunTable | None = None  # with ``causal=True``: the causal runs that replace blocks and own chunks
     ws: Workspace = field(default_factory=Workspace, compare=False, repr=False)
 
     @staticmethod
     def build(tables: list[list[int]], tokens: list[list[int]], starts: list[int], cu: list[int],
-              c: int) -> CpuPrefillPlan:
+              c: int, causal: bool = False) -> CpuPrefillPlan:
         runs = find_runs(tables, tokens, starts, cu, c)
         shared = None
         if runs is not None:  # each run's tokens in pieces of at most RUN_TOKENS query rows
@@ -113,6 +124,7 @@ class CpuPrefillPlan:
         b_rows: list[tuple[int, int]] = []
         b_chunks: list[tuple[int, ...]] = []
         b_tokens: list[tuple[int, ...]] = []
+        b_qpos: list[int] = []
         for b in range(len(starts)):
             n_b = cu[b + 1] - cu[b]
             if n_b == 0:
@@ -123,6 +135,15 @@ class CpuPrefillPlan:
             k_of = np.searchsorted(first + nt, pos, side="right")  # [n_b]: the chunk holding each position
             own_table[cu[b]:cu[b + 1], 0] = np.asarray(tables[b], dtype=np.int32)[k_of]
             own_seen[cu[b]:cu[b + 1], 0] = pos + 1 - first[k_of]
+            if causal:  # pieces of RUN_TOKENS rows over chunks [skip, chunk of the piece's last token]
+                for lo in range(cu[b], cu[b + 1], RUN_TOKENS):
+                    hi = min(lo + RUN_TOKENS, cu[b + 1])
+                    k_end = int(k_of[hi - 1 - cu[b]]) + 1
+                    b_rows.append((lo, hi))
+                    b_chunks.append(tuple(tables[b][skip[b]:k_end]))
+                    b_tokens.append(tuple(tokens[b][skip[b]:k_end]))
+                    b_qpos.append(int(pos[lo - cu[b]] - first[skip[b]]))
+                continue
             lo = cu[b]
             for k in np.unique(k_of).tolist():  # new tokens by chunk: a block run over chunks [skip, k)
                 n_k = int((k_of == k).sum())
@@ -131,6 +152,9 @@ class CpuPrefillPlan:
                     b_chunks.append(tuple(tables[b][skip[b]:k]))
                     b_tokens.append(tuple(tokens[b][skip[b]:k]))
                 lo += n_k
+        if causal:
+            table = RunTable.build(b_rows, b_chunks, b_tokens, b_qpos) if b_rows else None
+            return CpuPrefillPlan(runs, shared, None, torch.from_numpy(own_table), torch.from_numpy(own_seen), table)
         blocks = RunTable.build(b_rows, b_chunks, b_tokens) if b_rows else None
         return CpuPrefillPlan(runs, shared, blocks, torch.from_numpy(own_table), torch.from_numpy(own_seen))
 
@@ -145,7 +169,11 @@ def chunk_first_prefill(kern: CpuDecodeKernel, q: torch.Tensor, k_pool_l: torch.
     ws = plan.ws
     o = torch.empty(t, hkv, g, d, dtype=torch.float32)
     lse = torch.empty(t, hkv, g, dtype=torch.float32)
-    kern(q4, k_pool_l, v_pool_l, plan.own_table, plan.own_seen, scale, o, lse, ws)  # own chunk, causal
+    if plan.causal is not None:  # every token over its request's unshared chunks, masked in the kernel
+        run_attention(kern, q4, k_pool_l, v_pool_l, plan.causal, scale, o.unsqueeze(0), lse.unsqueeze(0), ws,
+                      one_slot=True)
+    else:
+        kern(q4, k_pool_l, v_pool_l, plan.own_table, plan.own_seen, scale, o, lse, ws)  # own chunk, causal
     for table in (plan.shared, plan.blocks):  # each run's partial merged into (o, lse) by the kernel
         if table is not None:
             run_attention(kern, q4, k_pool_l, v_pool_l, table, scale, o.unsqueeze(0), lse.unsqueeze(0), ws,

@@ -23,6 +23,7 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 from chunkserve.kernels.prefill import PrefillTables, prefill_attention, prefill_step
+from chunkserve.kernels.prefill_runs import causal_runs, run_kernel
 from chunkserve.tools.bench_kernel import DTYPES, cpu_model
 
 SHAPES = [(9, 3, 64), (32, 8, 128), (32, 32, 128)]  # (Hq, Hkv, D): SmolLM2, Llama-8B-like GQA, the paper's
@@ -57,9 +58,12 @@ def one_case(hq: int, hkv: int, d: int, cached: int, new: int, c: int, dtype: to
 
     starts = [cached] * rows
 
+    kern = run_kernel(q, k_pool)
+    causal = kern is not None and causal_runs(kern, k_pool)
+
     def step_tables() -> PrefillTables:  # once per step, for every layer
         tabs = PrefillTables.from_host(table.numpy(), tokens.numpy(), starts, cu)
-        tabs.cpu_plan(c)
+        tabs.cpu_plan(c, causal)
         return tabs
 
     tabs = step_tables()

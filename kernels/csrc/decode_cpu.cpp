@@ -272,7 +272,7 @@ int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, i
                      const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
                      int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
                      int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t flags,
-                     float qscale);
+                     float qscale, const int32_t* qpos);
 
 // q: [b, hkv*g, d] rows of stride ldq; k, v: [>= rows, hkv, d] rows of stride ldk / ldv (head stride d);
 // pools [hkv, N, c, d]; out: [b, hkv*g, d] contiguous in act_dtype. Writes first, so a row sees its own key.
@@ -306,7 +306,8 @@ int cs_decode_layer(const CsLayerPlan* p, const void* q, int64_t ldq, const void
     const int rc = cs_run_attention(p->qbuf, kpool, vpool, p->hs, p->cs, static_cast<int>(p->pool_dtype),
                                     p->run_rows, p->run_cptr, p->run_chunks, p->run_tokens, p->R, p->b, hkv, g, d,
                                     p->c, p->run_nsplit, p->run_mmax, p->run_so, p->run_slse, p->part_o,
-                                    p->part_lse, static_cast<int>(p->run_threads < 1 ? 1 : p->run_threads), 0, scale);
+                                    p->part_lse, static_cast<int>(p->run_threads < 1 ? 1 : p->run_threads), 0, scale,
+                                    nullptr);
     if (rc != 0) return rc - 10;
   }
   if (!tpp || p->has_private) {

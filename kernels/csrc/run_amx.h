@@ -111,6 +111,7 @@ inline void pack_keys(const uint16_t* k, int64_t nt, int64_t d, uint32_t* kt) {
 struct Segment {
   int64_t nblk = 0;
   int64_t valid[kSegBlocks];  // valid keys of each block
+  int64_t start[kSegBlocks];  // its first key's index in the segment (blocks of short chunks hold < 64 keys)
   uint32_t* kt;               // [kSegBlocks, d/2, 64] transposed key pairs
   uint32_t* vp;               // [kSegBlocks, 32, d] value pairs
 };
@@ -126,6 +127,7 @@ struct Buffers {
 inline void add_block(Segment& seg, const uint16_t* k, const uint16_t* v, int64_t nt, int64_t d) {
   const int64_t b = seg.nblk++, nks = (nt + 31) / 32;
   seg.valid[b] = nt;
+  seg.start[b] = b > 0 ? seg.start[b - 1] + seg.valid[b - 1] : 0;
   pack_keys(k, nt, d, seg.kt + b * d / 2 * kKeys);
   uint32_t* vp = seg.vp + b * 32 * d;
   cs_dp::pack_values(v, nt, d, vp);
@@ -153,13 +155,22 @@ constexpr int64_t kLdP = kSegBlocks * kKeys + 32;
 
 // Row maxima of key block b's scores, just stored (so read from L1), folded into mv [rows] (16 lanes each):
 // the softmax's max pass without a second read of the segment's scores.
-inline void block_max(const Segment& seg, int64_t b, const float* s, int64_t rows, __m512* mv) {
+inline __mmask16 first_n(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// Causal rows (lim not null): row x sees the segment's keys [0, lim[x]) only.
+inline __mmask16 row_mask(__mmask16 k, const int32_t* lim, int64_t x, int64_t key) {
+  return lim == nullptr ? k : static_cast<__mmask16>(k & first_n(lim[x] - key));
+}
+
+inline void block_max(const Segment& seg, int64_t b, const float* s, int64_t rows, const int32_t* lim, __m512* mv) {
   for (int j = 0; j < 4; ++j) {
     const int64_t n = seg.valid[b] - 16 * j;
     if (n <= 0) break;
-    const __mmask16 k = n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
     for (int64_t x = 0; x < rows; ++x)
-      mv[x] = _mm512_mask_max_ps(mv[x], k, mv[x], _mm512_loadu_ps(s + x * kLd + b * kKeys + 16 * j));
+      mv[x] = _mm512_mask_max_ps(mv[x], row_mask(first_n(n), lim, x, seg.start[b] + 16 * j), mv[x],
+                                 _mm512_loadu_ps(s + x * kLd + b * kKeys + 16 * j));
   }
 }
 
@@ -167,7 +178,8 @@ inline void block_max(const Segment& seg, int64_t b, const float* s, int64_t row
 // each row's max in mv. Two row blocks share every key tile load (the segment's key pairs come from L2):
 // tiles 0-3 = {block 0, block 1} x {key tile 2k, 2k + 1}, A tiles 4-5, B tiles 6-7.
 template <int R>
-__attribute__((noinline)) void seg_scores(const uint16_t* q, const Segment& seg, int64_t d, float* s, __m512* mv) {
+__attribute__((noinline)) void seg_scores(const uint16_t* q, const Segment& seg, int64_t d, float* s,
+                                          const int32_t* lim, __m512* mv) {
   for (int64_t b = 0; b < seg.nblk; ++b) {
     const uint32_t* kb = seg.kt + b * d / 2 * kKeys;
     float* sb = s + b * kKeys;
@@ -203,21 +215,18 @@ __attribute__((noinline)) void seg_scores(const uint16_t* q, const Segment& seg,
         _tile_stored(3, sb + 16 * kLd + t + 16, kLd * 4);
       }
     }
-    block_max(seg, b, s, 16 * R, mv);
+    block_max(seg, b, s, 16 * R, lim, mv);
   }
 }
 
 // Softmax of ``rows`` rows' scores over the segment's valid keys, given their maxima mv: p = bf16(exp(scale * s
 // - mx)), with mx[x] and sum[x] (of the fp32 values, before rounding) returned; invalid slots get p = 0.
-__attribute__((noinline)) void seg_exp(const Segment& seg, const float* s, int64_t rows, float scale, const __m512* mv,
-                                       uint16_t* p, float* mx, float* sum) {
+__attribute__((noinline)) void seg_exp(const Segment& seg, const float* s, int64_t rows, float scale,
+                                       const int32_t* lim, const __m512* mv, uint16_t* p, float* mx, float* sum) {
   const __m512 sc = _mm512_set1_ps(scale);
   __mmask16 valid[kSegBlocks * 4];
   for (int64_t b = 0; b < seg.nblk; ++b)
-    for (int j = 0; j < 4; ++j) {
-      const int64_t n = seg.valid[b] - 16 * j;
-      valid[b * 4 + j] = n >= 16 ? static_cast<__mmask16>(0xffff) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
-    }
+    for (int j = 0; j < 4; ++j) valid[b * 4 + j] = first_n(seg.valid[b] - 16 * j);
   const int64_t nv = seg.nblk * 4;
   for (int64_t x = 0; x < rows; ++x) {
     const float* sr = s + x * kLd;
@@ -226,7 +235,8 @@ __attribute__((noinline)) void seg_exp(const Segment& seg, const float* s, int64
     __m512 acc = _mm512_setzero_ps();
     for (int64_t j = 0; j < nv; ++j) {
       const __m512 z = _mm512_fmsub_ps(_mm512_loadu_ps(sr + 16 * j), sc, vm);
-      const __m512 e = _mm512_maskz_mov_ps(valid[j], cs_dp::exp16(z));
+      const __mmask16 k = row_mask(valid[j], lim, x, seg.start[j / 4] + 16 * (j % 4));
+      const __m512 e = _mm512_maskz_mov_ps(k, cs_dp::exp16(z));
       acc = _mm512_add_ps(acc, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + x * kLdP + 16 * j), (__m256i)_mm512_cvtneps_pbh(e));
     }
@@ -277,22 +287,31 @@ __attribute__((noinline)) void seg_pv(const Segment& seg, const uint16_t* p, int
 
 // R = 1 or 2 row blocks (bf16 queries q [16 R, d]) against a segment, merged online into their running (acc, m, l)
 // (rows contiguous); acc [16 R, d] is unnormalised, m = -inf marks rows with nothing yet.
+// Causal rows (``lim`` not null, segment-relative): row x sees keys [0, lim[x]); key blocks past every row's limit
+// are skipped, and a row with no key in the segment adds nothing.
 template <int R>
-void seg_rows(const Segment& seg, const uint16_t* q, int64_t d, float scale, const Buffers& buf, float* acc, float* m,
-              float* l) {
+void seg_rows(const Segment& seg, const uint16_t* q, int64_t d, float scale, const Buffers& buf, const int32_t* lim,
+              float* acc, float* m, float* l) {
+  constexpr float ninf = -std::numeric_limits<float>::infinity();
+  Segment sv = seg;
+  if (lim != nullptr) {
+    const int64_t top = *std::max_element(lim, lim + 16 * R);
+    while (sv.nblk > 0 && sv.start[sv.nblk - 1] >= top) --sv.nblk;  // blocks no row sees
+  }
   alignas(64) float mx[16 * R], sum[16 * R];
   __m512 mv[16 * R];
-  for (auto& v : mv) v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  seg_scores<R>(q, seg, d, buf.s, mv);
-  seg_exp(seg, buf.s, 16 * R, scale, mv, buf.p, mx, sum);
-  const bool first = m[0] == -std::numeric_limits<float>::infinity();  // every row of an item starts together
-  seg_pv<R>(seg, buf.p, d, first ? acc : buf.o);
+  for (auto& v : mv) v = _mm512_set1_ps(ninf);
+  seg_scores<R>(q, sv, d, buf.s, lim, mv);
+  seg_exp(sv, buf.s, 16 * R, scale, lim, mv, buf.p, mx, sum);
+  const bool first = m[0] == ninf;  // every row of an item starts together (a causal row sees its run's first key)
+  seg_pv<R>(sv, buf.p, d, first ? acc : buf.o);
   for (int64_t x = 0; x < 16 * R; ++x) {
     if (first) {
       m[x] = mx[x];
       l[x] = sum[x];
       continue;
     }
+    if (mx[x] == ninf) continue;  // no key of this segment for the row
     const float mn = std::max(m[x], mx[x]), a_old = std::exp(m[x] - mn), a_new = std::exp(mx[x] - mn);
     const __m512 vo = _mm512_set1_ps(a_old), vn = _mm512_set1_ps(a_new);
     for (int64_t j = 0; j < d; j += 16)

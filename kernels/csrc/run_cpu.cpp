@@ -22,6 +22,7 @@
 
 #include "run_amx.h"
 #include "run_bf16.h"
+#include "run_scratch.h"
 #include "run_tiles.h"
 #include "simd.h"
 
@@ -46,6 +47,7 @@ struct RunArgs {
   float* o;                // [R, b, hkv, g, d]
   float* lse;              // [R, b, hkv, g]
   int64_t flags;           // kOneSlot | kAccumulate | kRawQ
+  const int32_t* qpos;     // [R] causal runs (AMX only): key index of each run's first token, else null
   float qscale;            // the scale q was multiplied by (the bf16 pair path packs q / qscale, then scales S)
 };
 
@@ -86,18 +88,6 @@ inline void put_row(const RunArgs& a, const float* acc, float m, float l, float*
   for (int64_t j = 0; j < d; ++j) od[j] = od[j] * a_old + acc[j] * a_new;
   *ld = mx + std::log(tot);
 }
-
-// Scratch only grows: a thread's buffers outlive the call, so a smaller call neither frees nor re-zeroes them.
-template <typename V> void grow(V& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-}
-
-struct Scratch {
-  std::vector<float> qt, acc, m, l, st, kf, vf_;
-  std::vector<uint32_t> pp, vp;  // bf16 pairs of probabilities and values (run_bf16.h)
-  std::vector<uint16_t> qb, pb;  // AMX: bf16 query rows, bf16 probabilities (run_amx.h)
-  std::vector<uint32_t> kt;      // AMX: transposed key pairs of a segment (vp: its value pairs)
-};
 
 // bf16 chunks multiply bf16 pairs with vdpbf16ps where the CPU has it (run_bf16.h), else fp32 FMAs.
 #ifdef CS_RUN_DPBF16
@@ -146,12 +136,18 @@ void run_item_amx(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w)
   float *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data();
   std::fill(m, m + nrb * 16, -std::numeric_limits<float>::infinity());
   std::fill(l, l + nrb * 16, 0.f);
-  cs_amx::Segment seg{0, {}, w.kt.data(), w.vp.data()};
+  cs_amx::Segment seg{0, {}, {}, w.kt.data(), w.vp.data()};
   const cs_amx::Buffers buf{w.st.data(), w.pb.data(), w.qt.data()};
+  int32_t* lim = a.qpos != nullptr ? w.lim.data() : nullptr;  // causal: token x / g sees its run's keys up to its own
+  for (int64_t x = 0; lim != nullptr && x < nrb * 16; ++x) lim[x] = x < M ? a.qpos[r] + x / a.g + 1 : 1 << 30;
   auto flush = [&]() {
     for (int64_t rb = 0; rb < nrb && seg.nblk > 0; rb += 2)  // row blocks in pairs, a lone last one alone
       (rb + 1 < nrb ? cs_amx::seg_rows<2> : cs_amx::seg_rows<1>)(seg, qb + rb * 16 * d, d, a.qscale, buf,
-                                                                  acc + rb * 16 * d, m + rb * 16, l + rb * 16);
+                                                                  lim ? lim + rb * 16 : nullptr, acc + rb * 16 * d,
+                                                                  m + rb * 16, l + rb * 16);
+    const int64_t keys = seg.nblk ? seg.start[seg.nblk - 1] + seg.valid[seg.nblk - 1] : 0;
+    for (int64_t x = 0; lim != nullptr && x < nrb * 16; ++x)
+      lim[x] -= static_cast<int32_t>(std::min<int64_t>(keys, lim[x]));  // now relative to the next segment
     seg.nblk = 0;
   };
   const int64_t c0 = a.cptr[r], P = a.cptr[r + 1] - c0;
@@ -331,7 +327,7 @@ void run(const RunArgs& a, int nthreads) {
         grow(w.pb, 32 * cs_amx::kLdP);
         grow(w.st, 32 * cs_amx::kLd), grow(w.qt, 32 * a.d);
         grow(w.acc, m16 * a.d);
-        grow(w.m, m16), grow(w.l, m16);
+        grow(w.m, m16), grow(w.l, m16), grow(w.lim, m16);
       }
 #endif
     } else if constexpr (!std::is_same_v<T, float>) {
@@ -371,12 +367,13 @@ int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, i
                      const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
                      int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
                      int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t flags,
-                     float qscale) {
+                     float qscale, const int32_t* qpos) {
   if (d < 1 || d % kW != 0 || c < 1 || nsplit < 1 || g < 1 || !(qscale > 0.f)) return -1;
+  if (qpos != nullptr && (dtype != 1 || nsplit > 1 || !cs_run_amx(d))) return -5;  // causal runs: AMX only
   if ((flags & kAccumulate) && !(flags & kOneSlot)) return -4;
   if (nsplit > 1 && (so == nullptr || slse == nullptr)) return -2;
   const RunArgs a{q, k, v, hs, cs, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so, slse, o, lse,
-                  flags, qscale};
+                  flags, qpos, qscale};
   if (nthreads < 1) nthreads = 1;
   // row blocks of 3 vectors (the better tile) unless 2 pad the runs' rows less
   int64_t pad2 = 0, pad3 = 0;

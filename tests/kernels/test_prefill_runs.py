@@ -75,3 +75,67 @@ def test_prefill_over_shared_cached_chunks_equals_the_row_by_row_path_and_the_re
     assert torch.isfinite(chunked).all()
     assert check.rel_err(chunked, ref) < check.tol[dtype]
     assert check.rel_err(chunked, rowwise) < check.tol[dtype]
+
+
+def _tree_rows(tree, c: int, fresh_len: int):  # type: ignore[no-untyped-def]
+    """A shared system prompt with suffixes of several lengths, and a fresh row of ``fresh_len`` tokens."""
+    system = [tree.rint(0, 4) for _ in range(3 * c + 5)]
+    ids, starts, cu = [], [], [0]
+    for n_new in (3, 70, 1, 150):
+        seq = system + [tree.rint(0, 4) for _ in range(n_new + tree.rint(0, 9))]
+        ids.append(tree.add(seq))
+        starts.append(len(seq) - n_new)
+        cu.append(cu[-1] + n_new)
+    fresh = [tree.rint(0, 4) for _ in range(fresh_len)]
+    ids.append(tree.add(fresh))
+    starts.append(0)
+    cu.append(cu[-1] + fresh_len)
+    ctx = tree.cache.context(ids)
+    inv = torch.argsort(ctx.order)
+    return ids, starts, cu, ctx.block_table.index_select(0, inv), ctx.block_tokens.index_select(0, inv)
+
+
+@pytest.mark.parametrize("c", [16, 64])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+def test_causal_runs_mask_each_token_at_its_position_and_equal_the_block_and_own_chunk_plan(
+        cache_tree, check, c: int, heads: tuple[int, int]) -> None:
+    """On AMX (bf16, d = 64): one causal run per piece of a request's tokens over all its unshared chunks,
+    pieces of several chunks (a 300-token fresh row: three pieces), a cached prefix ending mid-chunk and
+    NaN in every free pool slot, against a float64 reference and the plan with block runs and own chunks."""
+    from chunkserve.kernels.prefill_runs import chunk_first_prefill
+
+    hq, hkv = heads
+    tree = cache_tree(11, hkv, 64, c, torch.bfloat16, device="cpu", max_len=1024)
+    ids, starts, cu, table, tokens = _tree_rows(tree, c, 300)
+    q = torch.randn(cu[-1], hq, 64, generator=tree.gen).to(torch.bfloat16)
+    pools = tree.cache.k_pool[0], tree.cache.v_pool[0]
+    kern = run_kernel(q, pools[0])
+    if kern is None or not kern.amx_tiles(64):
+        pytest.skip("causal runs need the AMX path (an AMX-BF16 CPU)")
+    causal = CpuPrefillPlan.build(table.tolist(), tokens.tolist(), starts, cu, c, causal=True)
+    blocks = CpuPrefillPlan.build(table.tolist(), tokens.tolist(), starts, cu, c)
+    assert causal.causal is not None and causal.blocks is None and blocks.causal is None
+    assert causal.causal.rows.shape[0] > len(starts)  # the long rows come in several pieces
+    kvs = [tuple(x[0].transpose(0, 1) for x in tree.kv(tree.tokens[s])) for s in ids]
+    ref = reference(q, kvs, starts, cu, 0.125)
+    got = chunk_first_prefill(kern, q, *pools, causal, 0.125)
+    old = chunk_first_prefill(kern, q, *pools, blocks, 0.125)
+    assert torch.isfinite(got).all()
+    assert check.rel_err(got, ref) < check.tol[torch.bfloat16]
+    assert check.rel_err(got, old) < check.tol[torch.bfloat16]
+
+
+def test_a_causal_run_is_refused_where_it_would_not_run_on_amx_tiles(cache_tree) -> None:
+    """Causal runs exist only in the AMX path; an fp32 pool asking for one gets an error, not unmasked keys."""
+    from chunkserve.kernels.prefill_runs import chunk_first_prefill
+
+    tree = cache_tree(3, 2, 64, C, torch.float32, device="cpu", max_len=256)
+    ids, starts, cu, table, tokens = _tree_rows(tree, C, 40)
+    q = torch.randn(cu[-1], 4, 64, generator=tree.gen)
+    pools = tree.cache.k_pool[0], tree.cache.v_pool[0]
+    kern = run_kernel(q, pools[0])
+    if kern is None:
+        pytest.skip("the CPU kernel is not available here")
+    plan = CpuPrefillPlan.build(table.tolist(), tokens.tolist(), starts, cu, C, causal=True)
+    with pytest.raises(RuntimeError, match="code -5"):
+        chunk_first_prefill(kern, q, *pools, plan, 0.125)
