@@ -102,7 +102,7 @@ class CpuPrefillPlan:
     runs: PrefixRuns | None
     shared: RunTable | None
     blocks: RunTable | None
-    own_table: torch.Tensor
+    own_table: torch.Tensor  # [T, 1] (no rows with causal runs, which cover the own chunks)
     own_seen: torch.Tensor
     causal: RunTable | None = None  # with ``causal=True``: the causal runs that replace blocks and own chunks
     ws: Workspace = field(default_factory=Workspace, compare=False, repr=False)
@@ -119,8 +119,8 @@ class CpuPrefillPlan:
                                     [(c,) * len(ch) for _, ch in pieces])
         skip = runs.skip if runs is not None else [0] * len(starts)
         t = cu[-1] if cu else 0
-        own_table = np.zeros((t, 1), dtype=np.int32)
-        own_seen = np.zeros((t, 1), dtype=np.int32)
+        own_table = np.zeros((0 if causal else t, 1), dtype=np.int32)
+        own_seen = np.zeros((0 if causal else t, 1), dtype=np.int32)
         b_rows: list[tuple[int, int]] = []
         b_chunks: list[tuple[int, ...]] = []
         b_tokens: list[tuple[int, ...]] = []
@@ -133,8 +133,6 @@ class CpuPrefillPlan:
             first = np.cumsum(nt) - nt  # first position of each chunk
             pos = np.arange(starts[b], starts[b] + n_b)
             k_of = np.searchsorted(first + nt, pos, side="right")  # [n_b]: the chunk holding each position
-            own_table[cu[b]:cu[b + 1], 0] = np.asarray(tables[b], dtype=np.int32)[k_of]
-            own_seen[cu[b]:cu[b + 1], 0] = pos + 1 - first[k_of]
             if causal:  # pieces of RUN_TOKENS rows over chunks [skip, chunk of the piece's last token]
                 for lo in range(cu[b], cu[b + 1], RUN_TOKENS):
                     hi = min(lo + RUN_TOKENS, cu[b + 1])
@@ -144,6 +142,8 @@ class CpuPrefillPlan:
                     b_tokens.append(tuple(tokens[b][skip[b]:k_end]))
                     b_qpos.append(int(pos[lo - cu[b]] - first[skip[b]]))
                 continue
+            own_table[cu[b]:cu[b + 1], 0] = np.asarray(tables[b], dtype=np.int32)[k_of]
+            own_seen[cu[b]:cu[b + 1], 0] = pos + 1 - first[k_of]
             lo = cu[b]
             for k in np.unique(k_of).tolist():  # new tokens by chunk: a block run over chunks [skip, k)
                 n_k = int((k_of == k).sum())

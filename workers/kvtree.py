@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,9 +56,7 @@ class Node:
         best: tuple[int, ...] | None = None
         best_n = 0
         for key in keys[max(0, i - 1):i + 1]:
-            n, m = 0, min(len(key), len(tail))
-            while n < m and key[n] == tail[n]:
-                n += 1
+            n = common_prefix(key, tail)
             if n > best_n:
                 best, best_n = key, n
         return (self.children[best], best_n) if best is not None else (None, 0)
@@ -75,6 +74,14 @@ class Node:
         else:
             with contextlib.suppress(ValueError):  # an unindexed duplicate full chunk is in neither
                 parent.partials.remove(self)
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n, m = 0, min(len(a), len(b))
+    while n < m and a[n] == b[n]:
+        n += 1
+    return n
 
 
 @dataclass

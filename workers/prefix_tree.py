@@ -15,7 +15,7 @@ import torch
 from chunkserve.cluster.cache_event import CacheEvent
 from chunkserve.cluster.hashing import chunk_hash
 from chunkserve.workers.chunk_pool import ChunkPool, KVCacheFull
-from chunkserve.workers.kvtree import Node
+from chunkserve.workers.kvtree import Node, common_prefix
 
 
 def check_tokens(token_ids: Seq[int] | np.ndarray | torch.Tensor) -> np.ndarray:
@@ -102,11 +102,8 @@ class PrefixTree:
         best: Node | None = None
         best_n = 0
         for cand in node.partials:
-            toks = cand.tokens
-            n, m = 0, min(len(toks), len(tail))
-            while n < m and toks[n] == tail[n]:
-                n += 1
-            if n > best_n or (n == best_n and best is not None and n == len(toks) < len(best.tokens)):
+            n = common_prefix(cand.tokens, tail)
+            if n > best_n or (n == best_n and best is not None and n == len(cand.tokens) < len(best.tokens)):
                 best, best_n = cand, n
         # a full child never matches whole here (`_walk` would have taken it), so it wins only by more tokens
         child, n = node.closest_child(tail)
