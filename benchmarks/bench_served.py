@@ -16,6 +16,7 @@ and offline outputs the same tokens, so the ratios compare equal work.
     .venv/bin/python benchmarks/bench_served.py                       # both modes, embedded SmolLM2
     .venv/bin/python benchmarks/bench_served.py --mode local --json served.json
     .venv/bin/python benchmarks/bench_served.py --mode ray --workers 2 --quantization int4   # int4, both sides
+    .venv/bin/python benchmarks/bench_served.py --mode ray --workers 2 --front haproxy        # HAProxy in front
 
 This file manages the processes (offline engine, local or Ray server) and prints the table; the workloads,
 the streaming client and the CPU accounting are `chunkserve bench serve`'s (`chunkserve.tools`, torch-free),
@@ -180,7 +181,7 @@ def start_server(mode: str, args: argparse.Namespace) -> tuple[subprocess.Popen,
         ready, model_name = "READY", "bench"
     else:
         cmd = [str(Path(sys.executable).with_name("chunkserve")), "up", "--workers", str(args.workers),
-               "--http-port", str(port), "--grpc-port", str(_free_port())]
+               "--http-port", str(port), "--grpc-port", str(_free_port()), "--front", args.front]
         if args.model:
             cmd += ["--model", args.model]
         engine: dict[str, Any] = {"kv_cache_gb": args.kv_cache_gb}
@@ -292,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: each side's own rule)")
     ap.add_argument("--workers", type=int, default=1, help="worker replicas in --mode ray")
+    ap.add_argument("--front", choices=["ray", "haproxy"], default="ray",
+                    help="--mode ray: `chunkserve up --front` (Ray Serve's proxy or HAProxy before the ingress)")
     ap.add_argument("--quantization", choices=["int8", "int4"], default=None,
                     help="weight-only quantisation, served and offline alike (default: none)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool per engine (served and offline)")

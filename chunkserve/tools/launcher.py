@@ -49,6 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--address", default=None, help="join an existing Ray cluster (e.g. auto)")
     ap.add_argument("--proxy-location", choices=["EveryNode", "HeadOnly"], default="EveryNode",
                     help="HTTP/gRPC proxies on every node with a replica (Serve's default) or on the head only")
+    ap.add_argument("--front", choices=["ray", "haproxy"], default="ray",
+                    help="what takes client connections: Ray Serve's proxy (default; clean JSON errors when an "
+                    "ingress replica dies or while the app drains) or HAProxy in front of ingress replicas that "
+                    "serve HTTP and gRPC themselves (Ray's direct ingress: less CPU per request; see README)")
     ap.add_argument("--model", default=None, help="local HF dir or random:<preset>; default: embedded SmolLM2")
     ap.add_argument("--tenants", default=None, help="tenants YAML (default: open mode, tenant 'public')")
     ap.add_argument("--config", default=None, help="YAML of AppConfig fields (CLI flags win)")
@@ -75,12 +79,14 @@ class LaunchOptions:
     address: str | None = None  # join this Ray cluster instead of starting a local one
     proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
     num_cpus: int | None = None  # CPUs of a local Ray (None: all)
+    front: Literal["ray", "haproxy"] = "ray"  # Ray Serve's proxy, or HAProxy before direct-ingress replicas
     exit_after: float | None = None  # tests: stop by itself after this many seconds
 
 
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
     return LaunchOptions(http_port=args.http_port, grpc_port=args.grpc_port, host=args.host, address=args.address,
-                         proxy_location=args.proxy_location, num_cpus=args.num_cpus, exit_after=args.exit_after)
+                         proxy_location=args.proxy_location, num_cpus=args.num_cpus, exit_after=args.exit_after,
+                         front=args.front)
 
 
 def app_config(args: argparse.Namespace) -> AppConfig:
@@ -146,13 +152,31 @@ def redis_for(url: str | None) -> Iterator[str]:
 SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
-def ray_env_vars(redis_url: str) -> dict[str, str]:
+def haproxy_env() -> dict[str, str]:
+    """`--front haproxy`: Ray's HAProxy mode (its bundled binary, from ``ray[serve]``) takes the HTTP and gRPC
+    ports, and each ingress replica serves its own port behind it (direct ingress): no Python proxy and no
+    body fetch from it on a request's path. An ingress replica then holds itself open only 1 s on shutdown
+    (Ray's default, 30 s, waits for external load balancers; HAProxy's health checks see it go in 0.5 s),
+    and HAProxy's metrics and stats listeners (Ray's fixed 9101 and 8404, on all interfaces) get free ports,
+    so that two clusters can share a machine. A value already in the environment wins."""
+    from chunkserve.cluster.redis_server import find_free_port
+
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+           "RAY_SERVE_HAPROXY_METRICS_PORT": str(find_free_port()),
+           "RAY_SERVE_HAPROXY_STATS_PORT": str(find_free_port())}
+    return {k: os.environ.get(k) or v for k, v in env.items()}
+
+
+def ray_env_vars(redis_url: str, front: str = "ray") -> dict[str, str]:
     """The environment of every Ray process `chunkserve up` starts: where the index lives, the HTTP proxy's
     `ProxyGuard` (clean 503s and SSE error events when an ingress replica dies or the app is being replaced),
-    unless the user gave the proxy a middleware callback of their own, and `SERVE_LOOP_ENV`."""
+    unless the user gave the proxy a middleware callback of their own, `SERVE_LOOP_ENV`, and with
+    ``front="haproxy"`` `haproxy_env`."""
     from chunkserve.router.proxy_guard import CALLBACK_ENV, CALLBACK_PATH
 
     env = {k: os.environ.get(k) or v for k, v in SERVE_LOOP_ENV.items()}
+    if front == "haproxy":
+        env.update(haproxy_env())
     return {**env, "CHUNKSERVE_REDIS_URL": redis_url, CALLBACK_ENV: os.environ.get(CALLBACK_ENV) or CALLBACK_PATH}
 
 
@@ -167,7 +191,7 @@ def start(cfg: AppConfig, opts: LaunchOptions) -> None:
     if not cfg.redis_url:
         raise ValueError("start() needs cfg.redis_url (launch() starts a Redis server when it is None)")
     init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                            "runtime_env": {"env_vars": ray_env_vars(cfg.redis_url)}}
+                            "runtime_env": {"env_vars": ray_env_vars(cfg.redis_url, opts.front)}}
     if opts.address:
         init["address"] = opts.address
     elif opts.num_cpus:
@@ -217,6 +241,7 @@ def launch(cfg: AppConfig, opts: LaunchOptions | None = None) -> int:
             print(f"chunkserve is up in {time.perf_counter() - t0:.0f} s ({mode})\n"
                   f"  HTTP (OpenAI API): http://{opts.host}:{opts.http_port}/v1\n"
                   f"  gRPC (chunkserve.v1.ChunkServe): {opts.host}:{opts.grpc_port}\n"
+                  f"  front: {'HAProxy before the ingress replicas' if opts.front == 'haproxy' else 'Ray Serve proxy'}\n"
                   f"  metrics: http://{opts.host}:{opts.http_port}/metrics\n"
                   f"  Redis prefix index: {redis_url}\n"
                   f"  {describe_threads(cfg)}\n"

@@ -203,6 +203,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     c.add_argument("--max-ongoing", type=int, default=None, help="worker max_ongoing_requests (AppConfig; "
                    "fair share needs it well above max_num_seqs: requests over it wait in Serve's FIFO queue)")
     c.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray")
+    c.add_argument("--front", choices=("ray", "haproxy"), default="ray", help="`chunkserve up --front`")
     c.add_argument("--startup-timeout", type=float, default=300.0)
     w = ap.add_argument_group("workload (see loadtests/locustfile.py)")
     w.add_argument("--users", type=int, default=None, help="locust users (default 8)")
@@ -290,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         tenants_path, keys_path = write_tenants(out_dir, spec.tenants)
         engine = json.loads(a.engine) if a.engine else {}
         cspec = ClusterSpec(workers=a.workers, model=a.model, engine=engine, num_cpus=a.num_cpus,
-                            startup_timeout_s=a.startup_timeout, max_ongoing_requests=a.max_ongoing)
+                            startup_timeout_s=a.startup_timeout, max_ongoing_requests=a.max_ongoing,
+                            front=a.front)
         with local_cluster(cspec, tenants_path, keys_path) as ep:
             ep = Endpoints(ep.http_url, ep.grpc_target, ep.keys_path, True, a.model_name)
             res = run_load(ep, spec, out_dir, a.sample_interval, settle_s=15.0 if a.soak else 5.0)

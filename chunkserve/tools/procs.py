@@ -81,7 +81,8 @@ class LaunchedServer:
         self.stop()
 
 
-ROLES = (("Worker", "worker"), ("Ingress", "ingress"), ("ProxyActor", "proxy"), ("ServeController", "serve_controller"),
+ROLES = (("Worker", "worker"), ("Ingress", "ingress"), ("HAProxyManager", "haproxy"), ("haproxy", "haproxy"),
+         ("ProxyActor", "proxy"), ("ServeController", "serve_controller"),
          ("raylet", "raylet"), ("gcs_server", "gcs"), ("redis-server", "redis"), ("llama-server", "llama-server"),
          ("bench_served", "local_server"), ("chunkserve", "launcher"))
 

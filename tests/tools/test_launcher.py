@@ -1,6 +1,7 @@
 """`chunkserve up` end to end, as a user runs it: a subprocess that starts Ray, a real Redis and the app,
-serves HTTP and gRPC on the ports it prints, reuses a repeated prompt's prefix, and stops cleanly on
-SIGTERM (Redis and Ray gone, exit status 0)."""
+serves HTTP and gRPC on the ports it prints (through Ray's proxy, or HAProxy with ``--front haproxy``),
+reuses a repeated prompt's prefix, and stops cleanly on SIGTERM (Redis, Ray and the front gone, exit
+status 0)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,23 @@ def _reader(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
         lines.put(line)
 
 
-def test_chunkserve_up_serves_http_and_grpc_then_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+def _listeners(port: int) -> set[str]:
+    """Names of the processes listening on ``port`` (this machine)."""
+    import psutil
+
+    names = set()
+    for c in psutil.net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
+            with contextlib.suppress(psutil.Error):
+                names.add(psutil.Process(c.pid).name())
+    return names
+
+
+@pytest.mark.parametrize("front", ["ray", "haproxy"])
+def test_chunkserve_up_serves_http_and_grpc_then_stops_cleanly_on_sigterm(tmp_path: Path, front: str) -> None:
     http_port, grpc_port = _free_port(), _free_port()
     cmd = [sys.executable, "-c", "import sys; from chunkserve.cli import main; sys.exit(main())", "up",
-           "--workers", "1", "--model", "random:tiny", "--num-cpus", "2", "--proxy-location", "HeadOnly",
+           "--front", front, "--workers", "1", "--model", "random:tiny", "--num-cpus", "2", "--proxy-location", "HeadOnly",
            "--http-port", str(http_port), "--grpc-port", str(grpc_port),
            "--engine", '{"chunk_size": 16, "num_kv_chunks": 256, "max_model_len": 512}']
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
@@ -54,6 +68,8 @@ def test_chunkserve_up_serves_http_and_grpc_then_stops_cleanly_on_sigterm(tmp_pa
         banner = "".join(out)
         assert f"http://127.0.0.1:{http_port}/v1" in banner and f"127.0.0.1:{grpc_port}" in banner
         redis_url = next(x.split(": ", 1)[1].strip() for x in out if "Redis prefix index:" in x)
+        held_by = _listeners(http_port) | _listeners(grpc_port)
+        assert held_by == ({"haproxy"} if front == "haproxy" else {"ray::ProxyActor"}), held_by
 
         http = HTTPClient(f"http://127.0.0.1:{http_port}", timeout=60)
         assert http.health()
@@ -81,3 +97,4 @@ def test_chunkserve_up_serves_http_and_grpc_then_stops_cleanly_on_sigterm(tmp_pa
     port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
     with socket.socket() as s:  # the Redis it started is gone
         assert s.connect_ex(("127.0.0.1", port)) != 0
+    assert not _listeners(http_port) and not _listeners(grpc_port)  # and whatever took the client ports

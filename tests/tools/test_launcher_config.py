@@ -45,3 +45,20 @@ def test_ray_env_runs_replica_code_on_the_replica_loop_unless_the_user_says_othe
     assert env["CHUNKSERVE_REDIS_URL"] == "redis://127.0.0.1:1/0"
     monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")
     assert launcher.ray_env_vars("redis://x:1/0")["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
+
+
+def test_front_haproxy_turns_on_rays_haproxy_mode_with_free_side_ports_and_a_short_ingress_hold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
+                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"):
+        monkeypatch.delenv(key, raising=False)
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in launcher.ray_env_vars("redis://x:1/0")  # the default front: Ray's proxy
+    env = launcher.ray_env_vars("redis://x:1/0", "haproxy")
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "1"
+    side = {int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]), int(env["RAY_SERVE_HAPROXY_STATS_PORT"])}
+    assert len(side) == 2 and not side & {9101, 8404}  # not Ray's fixed ports: two clusters can share a machine
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "8404")  # the user's value wins
+    assert launcher.ray_env_vars("redis://x:1/0", "haproxy")["RAY_SERVE_HAPROXY_STATS_PORT"] == "8404"
+    args = launcher.parse_args(["--front", "haproxy"])
+    assert launcher.launch_options(args).front == "haproxy"
