@@ -155,13 +155,15 @@ SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_
 def haproxy_env() -> dict[str, str]:
     """`--front haproxy`: Ray's HAProxy mode (its bundled binary, from ``ray[serve]``) takes the HTTP and gRPC
     ports, and each ingress replica serves its own port behind it (direct ingress): no Python proxy and no
-    body fetch from it on a request's path. An ingress replica then holds itself open only 1 s on shutdown
-    (Ray's default, 30 s, waits for external load balancers; HAProxy's health checks see it go in 0.5 s),
-    and HAProxy's metrics and stats listeners (Ray's fixed 9101 and 8404, on all interfaces) get free ports,
-    so that two clusters can share a machine. A value already in the environment wins."""
+    body fetch from it on a request's path. An ingress replica stops taking connections as soon as it is told
+    to stop (Ray's default holds it open 30 s for external load balancers; HAProxy retries a refused connection
+    on another replica, or on Ray's head proxy, kept as HAProxy's fallback, whose guard answers 503 JSON while
+    no app is deployed), so the drain takes as long as the running requests; and HAProxy's metrics and stats
+    listeners (Ray's fixed 9101 and 8404, on all interfaces) get free ports, so that two clusters can share a
+    machine. A value already in the environment wins."""
     from chunkserve.cluster.redis_server import find_free_port
 
-    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
            "RAY_SERVE_HAPROXY_METRICS_PORT": str(find_free_port()),
            "RAY_SERVE_HAPROXY_STATS_PORT": str(find_free_port())}
     return {k: os.environ.get(k) or v for k, v in env.items()}

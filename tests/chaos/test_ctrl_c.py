@@ -1,5 +1,6 @@
 """Ctrl-C on `chunkserve up` under streaming load: SIGINT to the whole process group (what a terminal sends),
-then every request that was in flight completes (the drain), and the launcher exits by itself."""
+then every request that was in flight completes (the drain), and the launcher exits by itself; with either
+front (Ray's proxy, or HAProxy before direct-ingress replicas)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ MODEL = "tiny-ctrl-c"
 PROMPTS = [[(17 * k + 5 * i) % 250 + 1 for i in range(40)] for k in range(3)]
 
 
-def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path):
+@pytest.mark.parametrize("front", ["ray", "haproxy"])
+def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path, front):
     http_port, grpc_port = _free_port(), _free_port()
     cfg = tmp_path / "app.yaml"
     cfg.write_text(f"model_name: {MODEL}\nworkers: 1\n")
     log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 (read back below)
-    cmd = [sys.executable, "-m", "chunkserve.cli", "up", "--model", "random:tiny", "--config", str(cfg),
+    cmd = [sys.executable, "-m", "chunkserve.cli", "up", "--front", front, "--model", "random:tiny", "--config", str(cfg),
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--num-cpus", "2", "--drain-grace", "30",
            "--engine", '{"chunk_size": 16, "num_kv_chunks": 64, "max_model_len": 256}']
     env = {**os.environ, "RAY_ADDRESS": ""}  # a cluster of its own, never one left by another test
@@ -75,8 +77,8 @@ def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path):
               f"exit_s={time.monotonic() - t_int:.1f}, rc={rc}, sent_during_drain={late.status or late.error}",
               flush=True)
         assert in_flight and not bad, [(o.status, o.error) for o in bad][:3]
-        # a request sent during the drain is refused cleanly (503 JSON + Retry-After from the proxy's guard),
-        # or finds the proxy already gone; never Ray's plain-text 404
+        # a request sent during the drain is refused cleanly (503 JSON + Retry-After from the proxy's guard; with
+        # HAProxy, from Ray's head proxy, its fallback), or finds the front already gone; never Ray's plain-text 404
         refused = late.status == 0 and "Connect" in str(late.error)
         assert late.clean_error or refused, (late.status, late.error)
         assert rc == 0 and "chunkserve stopped." in text and "draining" in text
