@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import httpx2
 import pytest
 
@@ -83,6 +84,13 @@ def test_chunkserve_up_serves_http_and_grpc_then_stops_cleanly_on_sigterm(tmp_pa
         with GrpcClient(f"127.0.0.1:{grpc_port}") as rpc:
             resp = rpc.generate(prompt_token_ids=prompt, max_tokens=4, temperature=0.0)
         assert resp.text == first["choices"][0]["text"]
+        # bytes that are not a GenerateRequest get INVALID_ARGUMENT from the ingress, behind either front
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            raw = ch.unary_unary("/chunkserve.v1.ChunkServe/Generate", request_serializer=None,
+                                 response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as garbage:
+                raw(b"\xff\xff\xff\x0f garbage", metadata=(("application", "chunkserve"),), timeout=30)
+        assert garbage.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
