@@ -19,7 +19,8 @@
 #   env: LLAMA_ARGS (llama.cpp slots and cache, default "-np 32 -c 45056 -no-kvu": one 1,408-token slot per
 #        chat; "-np 32 -c 45056 -kvu" shares one KV buffer and its prompt cache between the slots),
 #        THREADS (llama.cpp -t, default: all cores), CHUNKSERVE_ARGS (extra `chunkserve up` flags, e.g.
-#        "--quantization int8" or "--dtype float32"), SINGLE (lone-stream runs, default 3), PYTHON.
+#        "--quantization int4 --front haproxy", "--quantization int8" or "--dtype float32"), SINGLE
+#        (lone-stream runs, default 3), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
