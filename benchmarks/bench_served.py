@@ -39,6 +39,7 @@ from typing import Any
 
 from chunkserve.tools import client, procs, workload
 from chunkserve.tools.bench_serve import Plan, bench_endpoint
+from chunkserve.tools.launcher import FRONTS
 
 MAX_TOKENS = 64
 
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: each side's own rule)")
     ap.add_argument("--workers", type=int, default=1, help="worker replicas in --mode ray")
-    ap.add_argument("--front", choices=["ray", "haproxy"], default="ray",
+    ap.add_argument("--front", choices=FRONTS, default="ray",
                     help="--mode ray: `chunkserve up --front` (Ray Serve's proxy or HAProxy before the ingress)")
     ap.add_argument("--quantization", choices=["int8", "int4"], default=None,
                     help="weight-only quantisation, served and offline alike (default: none)")

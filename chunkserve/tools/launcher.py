@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("chunkserve.up")
 
+Front = Literal["ray", "haproxy"]  # what takes client connections: Ray Serve's proxy, or HAProxy (`haproxy_env`)
+FRONTS: tuple[Front, ...] = ("ray", "haproxy")
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="chunkserve up", description=__doc__)
@@ -49,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--address", default=None, help="join an existing Ray cluster (e.g. auto)")
     ap.add_argument("--proxy-location", choices=["EveryNode", "HeadOnly"], default="EveryNode",
                     help="HTTP/gRPC proxies on every node with a replica (Serve's default) or on the head only")
-    ap.add_argument("--front", choices=["ray", "haproxy"], default="ray",
+    ap.add_argument("--front", choices=FRONTS, default="ray",
                     help="what takes client connections: Ray Serve's proxy (default; clean JSON errors when an "
                     "ingress replica dies or while the app drains) or HAProxy in front of ingress replicas that "
                     "serve HTTP and gRPC themselves (Ray's direct ingress: less CPU per request; see README)")
@@ -79,7 +82,7 @@ class LaunchOptions:
     address: str | None = None  # join this Ray cluster instead of starting a local one
     proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
     num_cpus: int | None = None  # CPUs of a local Ray (None: all)
-    front: Literal["ray", "haproxy"] = "ray"  # Ray Serve's proxy, or HAProxy before direct-ingress replicas
+    front: Front = "ray"  # Ray Serve's proxy, or HAProxy before direct-ingress replicas
     exit_after: float | None = None  # tests: stop by itself after this many seconds
 
 
@@ -160,26 +163,23 @@ def haproxy_env() -> dict[str, str]:
     on another replica, or on Ray's head proxy, kept as HAProxy's fallback, whose guard answers 503 JSON while
     no app is deployed), so the drain takes as long as the running requests; and HAProxy's metrics and stats
     listeners (Ray's fixed 9101 and 8404, on all interfaces) get free ports, so that two clusters can share a
-    machine. A value already in the environment wins."""
+    machine. Defaults: `ray_env_vars` lets a value already in the environment win."""
     from chunkserve.cluster.redis_server import find_free_port
 
-    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
-           "RAY_SERVE_HAPROXY_METRICS_PORT": str(find_free_port()),
-           "RAY_SERVE_HAPROXY_STATS_PORT": str(find_free_port())}
-    return {k: os.environ.get(k) or v for k, v in env.items()}
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(find_free_port()),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(find_free_port())}
 
 
-def ray_env_vars(redis_url: str, front: str = "ray") -> dict[str, str]:
+def ray_env_vars(redis_url: str, front: Front = "ray") -> dict[str, str]:
     """The environment of every Ray process `chunkserve up` starts: where the index lives, the HTTP proxy's
     `ProxyGuard` (clean 503s and SSE error events when an ingress replica dies or the app is being replaced),
     unless the user gave the proxy a middleware callback of their own, `SERVE_LOOP_ENV`, and with
-    ``front="haproxy"`` `haproxy_env`."""
+    ``front="haproxy"`` `haproxy_env`; a value of those already in the environment wins."""
     from chunkserve.router.proxy_guard import CALLBACK_ENV, CALLBACK_PATH
 
-    env = {k: os.environ.get(k) or v for k, v in SERVE_LOOP_ENV.items()}
-    if front == "haproxy":
-        env.update(haproxy_env())
-    return {**env, "CHUNKSERVE_REDIS_URL": redis_url, CALLBACK_ENV: os.environ.get(CALLBACK_ENV) or CALLBACK_PATH}
+    defaults = {**SERVE_LOOP_ENV, **(haproxy_env() if front == "haproxy" else {}), CALLBACK_ENV: CALLBACK_PATH}
+    return {**{k: os.environ.get(k) or v for k, v in defaults.items()}, "CHUNKSERVE_REDIS_URL": redis_url}
 
 
 def start(cfg: AppConfig, opts: LaunchOptions) -> None:

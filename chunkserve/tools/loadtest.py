@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chunkserve.tools.launcher import FRONTS
 from chunkserve.tools.loadtest_cluster import ClusterSpec, Endpoints, admin_key, local_cluster, write_tenants
 from chunkserve.tools.loadtest_metrics import (
     MetricsSampler,
@@ -203,7 +204,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     c.add_argument("--max-ongoing", type=int, default=None, help="worker max_ongoing_requests (AppConfig; "
                    "fair share needs it well above max_num_seqs: requests over it wait in Serve's FIFO queue)")
     c.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray")
-    c.add_argument("--front", choices=("ray", "haproxy"), default="ray", help="`chunkserve up --front`")
+    c.add_argument("--front", choices=FRONTS, default="ray", help="`chunkserve up --front`")
     c.add_argument("--startup-timeout", type=float, default=300.0)
     w = ap.add_argument_group("workload (see loadtests/locustfile.py)")
     w.add_argument("--users", type=int, default=None, help="locust users (default 8)")

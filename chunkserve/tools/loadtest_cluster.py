@@ -12,7 +12,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chunkserve.tools.launcher import Front
 
 logger = logging.getLogger("chunkserve.loadtest")
 
@@ -27,7 +30,7 @@ class ClusterSpec:
     num_cpus: int | None = None
     startup_timeout_s: float = 300.0
     max_ongoing_requests: int | None = None  # per worker replica; None: AppConfig's default
-    front: str = "ray"  # `chunkserve up --front`: Ray Serve's proxy or HAProxy
+    front: Front = "ray"  # `chunkserve up --front`: Ray Serve's proxy or HAProxy
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ def local_cluster(spec: ClusterSpec, tenants_path: Path | None, keys_path: Path 
 
     http_port, grpc_port = find_free_port(), find_free_port()
     opts = launcher.LaunchOptions(http_port=http_port, grpc_port=grpc_port, num_cpus=spec.num_cpus or None,
-                                  front="haproxy" if spec.front == "haproxy" else "ray")
+                                  front=spec.front)
     with launcher.redis_for(None) as redis_url:
         cfg = AppConfig(workers=spec.workers, model=spec.model or None, engine=dict(spec.engine or {}),
                         tenants=str(tenants_path) if tenants_path is not None else None, redis_url=redis_url,
