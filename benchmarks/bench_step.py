@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | auto (the CPU's default)")
-    ap.add_argument("--quantization", default=None, help="int8 (weight-only)")
+    ap.add_argument("--quantization", default=None, help="int8 (Q8_0) or int4 (Q4_1 layers, Q8_0 head)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-QUANT_MODES = ("int8", "int4")  # int4: block-quantised, see workers/quant.py
+QUANT_MODES = ("int8", "int4")  # block-quantised (Q8_0, Q4_1), see workers/quant.py
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's setting
     prepack_weights: bool = True  # CPU: keep a oneDNN-blocked copy of the matmul weights (faster, 2x memory)
-    quantization: str | None = None  # "int8": weight-only per-channel int8 linears of the layers (lm_head dense)
+    quantization: str | None = None  # "int8": Q8_0 linears; "int4": Q4_1 layers, Q8_0 lm_head (workers/quant.py)
     warmup: bool = True  # build/compile the kernels serving meets before the engine is ready (workers/warmup.py)
     fair_share: bool = True  # VTC fair share across tenants (workers/fairness.py); False: first come, first served
     fair_quantum: float = 2048.0  # weighted tokens a tenant may lead the least served one by while its shorter

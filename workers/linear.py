@@ -7,7 +7,8 @@ layer loop makes one Python call per matmul whatever the back-end:
   oneDNN's blocked kernel and its ~25 us per-call cost there).
 * `packed_linear`: the weight reordered once into oneDNN's blocked layout (CPU fp32/bf16; everything
   else, ``F.linear`` would re-pack a bf16 weight on every call).
-* `int8_linear`: per-output-channel symmetric int8 weights (`Int8Weight`), dequantised inside
+* `int8_linear`: per-output-channel symmetric int8 weights (`Int8Weight`; ``quantization="int8"`` on
+  models whose input sizes are not multiples of 32, else it runs Q8_0 blocks), dequantised inside
   ATen's ``_weight_int8pack_mm`` on the CPU. That kernel is vectorised for bf16 activations only (its
   fp32 path is scalar, ~4x slower on AVX2), so fp32 activations go through it in bf16 and come back
   as fp32. Elsewhere the weight is dequantised per call and multiplied with ``F.linear``.
@@ -108,7 +109,8 @@ class Int8Weight:
 
 def int8_linear(w: Int8Weight, b: torch.Tensor | None, dtype: torch.dtype) -> LinearFn:
     """Weight-only int8 linear; x: [T, K] in the model `dtype` -> y: [T, N] in `dtype`."""
-    if w.q.device.type != "cpu" or not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+    # ATen's CPU kernel reads K in steps of 16: other K give garbage or a crash (torch 2.13, measured)
+    if w.q.device.type != "cpu" or not hasattr(torch.ops.aten, "_weight_int8pack_mm") or w.q.shape[1] % 16:
         scale = w.scale.to(dtype)
 
         def dequant_run(x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]

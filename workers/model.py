@@ -178,37 +178,39 @@ class CausalLM:
         return True
 
     def quantize(self, mode: str, *, lm_head: bool | None = None) -> None:
-        """Quantise every layer's linears (and the lm_head: by default for "int4", not for "int8").
+        """Quantise every layer's linears and, unless ``lm_head=False``, the lm_head.
 
-        mode "int8": weight-only per-output-channel symmetric int8 (`Int8Weight`); activations stay in the
-        model dtype. An int8 lm_head is ~10% faster at batch 1 on SmolLM2-135M but slower at batch 32 and
-        halves the greedy agreement with fp32 (benchmarks/bench_quant.py), so it stays dense by default.
-        mode "int4": llama.cpp's Q4_1 layers and a Q8_0 lm_head (`workers/quant.py`: blocks of 32, the
-        activations quantised to int8 per block inside the matmul); the embedded SmolLM2 GGUF is Q4_1/Q8_0,
-        so this re-creates its weights. The embedding table stays dense (a tied lm_head gets its own
-        quantised copy); norms and biases stay in the model dtype. The dense matmul weights (and their
-        packed copies) are released.
+        Both modes store llama.cpp's block formats (`workers/quant.py`: blocks of 32 along K, the
+        activations quantised to int8 per block inside the matmul): "int8" as Q8_0 (int8 values, one fp16
+        scale per block) and "int4" as Q4_1 layers with a Q8_0 lm_head. The embedded SmolLM2 GGUF is
+        Q4_1/Q8_0, so int4 re-creates its weights. Where some input size is not a multiple of 32, "int8"
+        falls back to weight-only per-output-channel int8 (`Int8Weight`, ATen's ``_weight_int8pack_mm``;
+        its lm_head stays dense by default) and "int4" is refused. The embedding table stays dense (a tied
+        lm_head gets its own quantised copy); norms and biases stay in the model dtype. The dense matmul
+        weights (and their packed copies) are released.
         """
         if mode not in QUANT_MODES:
             raise ValueError(f"unsupported quantization {mode!r}; expected one of {QUANT_MODES} or None")
         if self.quantization is not None:
             raise ValueError(f"the model is already quantised ({self.quantization})")
-        if mode == "int4" and any(w.shape[1] % 32 for lw in self.layers for w, _ in lw.matmuls()):
+        blocks = all(w.shape[1] % 32 == 0 for lw in self.layers for w, _ in lw.matmuls())
+        if mode == "int4" and not blocks:
             raise ValueError("int4 quantisation needs every linear's input size to be a multiple of 32")
+        block_cls: type[Q4Weight] | type[Q8Weight] = Q4Weight if mode == "int4" else Q8Weight
 
         def q(w: Weight) -> Weight:
             if not isinstance(w, torch.Tensor):
                 return w
-            return Q4Weight.quantize(w) if mode == "int4" else Int8Weight.quantize(w)
+            return block_cls.quantize(w) if blocks else Int8Weight.quantize(w)
 
         self.layers = [LayerWeights(
             ln1=lw.ln1, w_qkv=q(lw.w_qkv), b_qkv=lw.b_qkv, w_o=q(lw.w_o), b_o=lw.b_o, ln2=lw.ln2,
             w_gate_up=q(lw.w_gate_up), b_gate_up=lw.b_gate_up, w_down=q(lw.w_down), b_down=lw.b_down,
         ) for lw in self.layers]
         if lm_head is None:
-            lm_head = mode == "int4"
+            lm_head = blocks  # a per-channel int8 head is slower at batch 32 and costs agreement (bench_quant)
         if lm_head and isinstance(self.lm_head, torch.Tensor):
-            if mode == "int4" and self.lm_head.shape[1] % 32 == 0:
+            if blocks:
                 self.lm_head = Q8Weight.quantize(self.lm_head)
             else:
                 self.lm_head = q(self.lm_head)

@@ -133,7 +133,8 @@ def _check_shape(w: torch.Tensor) -> tuple[int, int]:
 
 def pack(w: BlockWeight) -> torch.Tensor:
     """The kernel's layout of ``w`` (see "Packed weights" in ``csrc/qmatmul.cpp``): uint8 [ceil(N/8), K/32, bytes],
-    groups of 8 rows (zero rows pad N), each block's quants as 4-byte lanes, one lane per row, then the
+    groups of 8 rows (zero rows pad N), each block's quants as 4-byte lanes, one lane per row (Q8_0 offset by
+    128), then the
     rows' fp16 scales (and Q4_1 minima); bf16 weights as 16 pairs of each row's values a block (512 bytes)."""
     n, k = w.shape
     nb, g = k // BLOCK, -(-n // 8)
@@ -147,7 +148,8 @@ def pack(w: BlockWeight) -> torch.Tensor:
         q = rows8(w.q).view(g, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 128)  # [G, B, 4 x 8 lanes x 4]
         tail = [rows8(t).view(g, 8, nb).permute(0, 2, 1).contiguous().view(torch.uint8) for t in (w.d, w.m)]
     else:
-        q = rows8(w.q).view(torch.uint8).view(g, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 256)
+        q = (rows8(w.q).to(torch.int16) + 128).to(torch.uint8)  # offset binary: q + 128 (see the source)
+        q = q.view(g, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 256)
         tail = [rows8(w.d).view(g, 8, nb).permute(0, 2, 1).contiguous().view(torch.uint8)]
     return torch.cat([q, *tail], -1).contiguous()  # [G, B, 160] or [G, B, 272]
 
@@ -171,7 +173,7 @@ class QKernel:
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        if lib.cs_q_abi_version() != 7:
+        if lib.cs_q_abi_version() != 8:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_q_linear
         i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int

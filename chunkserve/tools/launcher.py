@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "with native bf16, else fp32)")
     add_device_arg(ap)
     ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                    help="int8: weight-only int8 linears; int4: Q4_1 layers + Q8_0 lm_head (llama.cpp-style)")
+                    help="int8: Q8_0 linears; int4: Q4_1 layers + Q8_0 lm_head (llama.cpp's block formats, CPU kernel)")
     ap.add_argument("--drain-grace", type=float, default=None,
                     help="seconds in-flight requests may take to finish on Ctrl-C/SIGTERM (default 30)")
     ap.add_argument("--exit-after", type=float, default=None, help=argparse.SUPPRESS)  # tests

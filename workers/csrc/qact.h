@@ -147,8 +147,9 @@ inline void load_row(const void* x, int dtype, int64_t K, bool glu, const void* 
   }
 }
 
-// One row of K fp32 values -> K int8 (plain order), K/32 scales a and K/32 sums s = a * sum(q).
-inline void quantize_row(const float* f, int64_t K, int8_t* q, float* a, float* s) {
+// One row of K fp32 values -> K int8 (plain order), K/32 scales a and K/32 sums s = a * sum(q) (int_sums: the
+// integer sum(q) itself, exact in a float: |sum| <= 32 * 127).
+inline void quantize_row(const float* f, int64_t K, int8_t* q, float* a, float* s, bool int_sums = false) {
   const int64_t nb = K / kBlock;
   for (int64_t b = 0; b < nb; ++b) {
     const float* buf = f + b * kBlock;
@@ -174,7 +175,7 @@ inline void quantize_row(const float* f, int64_t K, int8_t* q, float* a, float* 
                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), p8);
     a[b] = d;
-    s[b] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+    s[b] = (int_sums ? 1.0f : d) * static_cast<float>(_mm_cvtsi128_si32(s4));
 #else
     float amax = 0.0f;
     for (int64_t j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(buf[j]));
@@ -186,7 +187,7 @@ inline void quantize_row(const float* f, int64_t K, int8_t* q, float* a, float* 
       sum += v;
     }
     a[b] = d;
-    s[b] = d * static_cast<float>(sum);
+    s[b] = (int_sums ? 1.0f : d) * static_cast<float>(sum);
 #endif
   }
 }

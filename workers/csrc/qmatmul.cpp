@@ -35,7 +35,8 @@ constexpr int64_t kTileM = 64;  // activation rows per tile (64 x K int8 stays i
 // the 8 int32 lanes of its result are already the 8 rows' sums (no horizontal adds, no scale shuffles):
 //   Q4_1 (160 bytes): 4 x 32 bytes, vector i = bytes 4i..4i+3 of each row's 16 nibble bytes (low nibbles:
 //         elements 4i..4i+3, high: 16+4i..16+4i+3), then d[8] and m[8] fp16;
-//   Q8_0 (272 bytes): 8 x 32 bytes, vector i = elements 4i..4i+3 of each row, then d[8] fp16.
+//   Q8_0 (272 bytes): 8 x 32 bytes, vector i = elements 4i..4i+3 of each row stored offset by 128 (q + 128 as
+//         an unsigned byte: vpdpbusd's unsigned operand as it is), then d[8] fp16.
 // Per block and activation row the result is acc += float(isum) * (d * a) (+ m * s for Q4_1), with
 // isum exact, in block order: the same sums in the same order whatever M, the row tile and the threads.
 constexpr int64_t kGroup = 8;
@@ -45,6 +46,10 @@ constexpr int64_t kQ4Bytes = 160, kQ8Bytes = 272;
 // replaces vpmaddubsw + vpaddw (+ vpmaddwd). The block sums are exact integers either way, so the outputs are
 // bitwise the same; int4 steps of 4 rows a tile run ~1.2x faster, one row about the same (memory-bound there).
 // (A 512-bit form over two row groups was tried: no faster in cache, 2x slower on weights beyond L3 on Zen 4.)
+// Q8_0 with VNNI multiplies the offset weights (q + 128) as they are stored and takes 128 * sum(x) off the block
+// sum (the activation quantiser's exact integer block sum), instead of two vpsignb a product to make the weight
+// operand unsigned; without VNNI an xor restores q for vpmaddubsw's sign trick (whose int16 pairs must not
+// saturate, as (q + 128) * x could).
 #if CS_Q_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define CS_Q_VNNI 1
 #else
@@ -103,27 +108,31 @@ void group_q4(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const 
 }
 
 template <int MT>
-void group_q8(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const float* xa, float* out,
-              int64_t ldo) {
-  const __m256i ones = _mm256_set1_epi16(1);
+void group_q8(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const float* xa, const float* xsum,
+              float* out, int64_t ldo) {
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, pw += kQ8Bytes) {
     for (int64_t c = 0; c < kQ8Bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(pw) + kPrefetch + c, _MM_HINT_T0);
     __m256i p32[MT];
-    for (int m = 0; m < MT; ++m) p32[m] = _mm256_setzero_si256();
+#if CS_Q_VNNI  // sum((q + 128) x) - 128 sum(x), exact in int32
+    for (int m = 0; m < MT; ++m) p32[m] = _mm256_set1_epi32(-128 * static_cast<int32_t>(xsum[m * nb + b]));
     for (int i = 0; i < 8; ++i) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + 32 * i));
-      const __m256i aw = _mm256_sign_epi8(w, w);  // |w|: vpmaddubsw needs an unsigned operand
+      for (int m = 0; m < MT; ++m) p32[m] = _mm256_dpbusd_epi32(p32[m], w, bcast4(xq + m * K + b * kBlock + 4 * i));
+    }
+#else
+    const __m256i ones = _mm256_set1_epi16(1), off = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int m = 0; m < MT; ++m) p32[m] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + 32 * i)), off);
+      const __m256i aw = _mm256_sign_epi8(w, w);  // |q|: vpmaddubsw needs an unsigned operand
       for (int m = 0; m < MT; ++m) {  // one pair sum is at most 2 * 127 * 127: widen before adding
         const __m256i xv = _mm256_sign_epi8(bcast4(xq + m * K + b * kBlock + 4 * i), w);
-#if CS_Q_VNNI
-        p32[m] = _mm256_dpbusd_epi32(p32[m], aw, xv);
-#else
         p32[m] = _mm256_add_epi32(p32[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
-#endif
       }
     }
+#endif
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 256)));
     for (int m = 0; m < MT; ++m)
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32[m]), _mm256_mul_ps(d, _mm256_set1_ps(xa[m * nb + b])), acc[m]);
@@ -157,8 +166,8 @@ void group_q4(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const 
 }
 
 template <int MT>
-void group_q8(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const float* xa, float* out,
-              int64_t ldo) {
+void group_q8(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const float* xa, const float* /*xsum*/,
+              float* out, int64_t ldo) {
   float acc[MT][kGroup] = {};
   for (int64_t b = 0; b < nb; ++b, pw += kQ8Bytes) {
     for (int m = 0; m < MT; ++m) {
@@ -166,7 +175,7 @@ void group_q8(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const 
       for (int r = 0; r < kGroup; ++r) {
         int32_t dot = 0;
         for (int i = 0; i < 8; ++i)
-          for (int j = 0; j < 4; ++j) dot += static_cast<int8_t>(pw[32 * i + 4 * r + j]) * x[4 * i + j];
+          for (int j = 0; j < 4; ++j) dot += (static_cast<int32_t>(pw[32 * i + 4 * r + j]) - 128) * x[4 * i + j];
         const float d = fp16_to_f(reinterpret_cast<const uint16_t*>(pw + 256)[r]);
         acc[m][r] = std::fma(static_cast<float>(dot), d * xa[m * nb + b], acc[m][r]);
       }
@@ -184,7 +193,7 @@ struct Args {
   const int8_t* xq;
   const uint16_t* xb;  // bf16 activations [M, K] (weight type 2)
   const float* xa;
-  const float* xs;
+  const float* xs;  // per row and block: a * sum(q) for Q4_1; the exact integer sum(q) for Q8_0
   void* y;
   int ydtype;  // 0 fp32, 1 bf16
   int64_t ldy;
@@ -200,7 +209,7 @@ void group_rows(const Args& g, int64_t grp, int64_t m, float* out) {
   } else if (g.wtype == 0) {
     group_q4<MT>(g.pw + grp * nb * kQ4Bytes, nb, g.xq + m * g.K, g.K, g.xa + m * nb, g.xs + m * nb, out, kGroup);
   } else {
-    group_q8<MT>(g.pw + grp * nb * kQ8Bytes, nb, g.xq + m * g.K, g.K, g.xa + m * nb, out, kGroup);
+    group_q8<MT>(g.pw + grp * nb * kQ8Bytes, nb, g.xq + m * g.K, g.K, g.xa + m * nb, g.xs + m * nb, out, kGroup);
   }
 }
 
@@ -272,7 +281,7 @@ struct CsQWeight {
   int32_t glu;  // prologue SwiGLU: x rows hold 2K values (gate, up)
 };
 
-int cs_q_abi_version() { return 7; }
+int cs_q_abi_version() { return 8; }
 int cs_q_simd() { return CS_Q_AVX2; }
 int cs_q_vnni() { return CS_Q_VNNI; }  // block sums by vpdpbusd
 int cs_q_bf16() { return CS_B16_NATIVE; }  // bf16 pairs by vdpbf16ps
@@ -323,7 +332,7 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
     if (w->wtype == 2) {
       bf16_row(row.data(), K, xb + m * K);
     } else {
-      quantize_row(row.data(), K, xq + m * K, xa + m * nb, xs + m * nb);
+      quantize_row(row.data(), K, xq + m * K, xa + m * nb, xs + m * nb, w->wtype == 1);
     }
   };
   auto work = [&]() {  // one thread: every row group, activation rows in L2-sized tiles
