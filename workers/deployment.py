@@ -12,7 +12,8 @@ once, then at most one stream item per ``stream_batching.interval_s`` (default 5
 streams in flight by ``items_per_s``), so a fast stream pays Ray's per-item cost once per several tokens.
 Engine threads: unless the engine config sets
 ``num_threads``, a replica takes `engine_threads(cores of its node, workers_per_node, reserved_cpus)`, and
-with the rule's ``lend_idle_cores`` the shares of the node's idle workers on top (`workers/node_cores.py`).
+with the rule's ``lend_idle_cores`` the shares of the node's idle workers on top (`workers/node_cores.py`), up to
+the node's cores less the reserved ones.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
-from chunkserve.workers.cpu_budget import rule_threads
+from chunkserve.workers.cpu_budget import available_cpus, rule_threads
 from chunkserve.workers.engine_config import EngineConfig
 from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
 from chunkserve.workers.streaming import StreamBatching
@@ -41,13 +42,20 @@ FOREST_INTERVAL_S = 2.0  # forest summaries for the dashboard (`workers/tree_sum
 PREFIX_ROUTER = "chunkserve.router.request_router.PrefixAwareRouter"
 
 
-def _node_cores(share: int, node_cpus: int | None) -> NodeCores | None:
-    """This worker's slot in its node's core table (`workers/node_cores.py`), or None (logged) where the
-    table cannot be opened: the worker then keeps its fixed share."""
+def _node_cores(share: int, rule: dict[str, int]) -> NodeCores | None:
+    """This worker's slot in its node's core table (`workers/node_cores.py`), or None: where the table cannot
+    be opened (logged), or where lending could add nothing. Lent threads never take the rule's reserved cores
+    (at most ``node cores - reserved_cpus`` a worker): on a 2-core node with one reserved, the serving path's
+    core. (Measured there, 2026-12-06, Zen 4, HAProxy front: a lone stream on 2 lent threads decoded 9-28 %
+    slower than on its own one in 5 of 6 pairs; the OpenMP pair shared the cores with the ingress, HAProxy and
+    the event loop. docs/benchmarks.md, "Lent cores on a 2-core node".)"""
     from chunkserve.workers.node_cores import NodeCores  # numpy: only inside the replica
 
+    cap = (rule.get("node_cpus") or available_cpus()) - max(0, int(rule.get("reserved_cpus", 1)))
+    if cap <= share:
+        return None
     try:
-        return NodeCores(share, max_threads=node_cpus)
+        return NodeCores(share, max_threads=cap)
     except (OSError, RuntimeError, ValueError) as e:
         logger.warning("engine threads stay at %d: the node's core table is unavailable (%s)", share, e)
         return None
@@ -70,7 +78,7 @@ class WorkerServer:
         if thread_rule is not None and cfg.num_threads is None and cfg.device == "cpu":
             cfg = dataclasses.replace(cfg, num_threads=rule_threads(thread_rule))
             if thread_rule.get("lend_idle_cores"):
-                cores = _node_cores(cfg.num_threads or 1, thread_rule.get("node_cpus"))
+                cores = _node_cores(cfg.num_threads or 1, thread_rule)
         self.worker_id = worker_id
         self.batching = StreamBatching.from_options(stream_batching)
         from chunkserve.workers.async_engine import AsyncEngine  # torch: only inside the replica

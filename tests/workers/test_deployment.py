@@ -36,7 +36,7 @@ def test_app_config_gives_the_thread_rule_unless_the_engine_fixes_threads_or_use
 def test_worker_server_sets_engine_threads_by_the_rule_and_keeps_a_fixed_count():
     ruled = WorkerServer(TINY, "w-rule", enable_ray_metrics=False,
                          thread_rule={"workers_per_node": 2, "reserved_cpus": 1, "node_cpus": 4})
-    fixed = lending = None
+    fixed = lending = two = None
     try:
         assert ruled.engine.core.config.num_threads == 1 and ruled.stats()["num_threads"] == 1
         assert ruled.engine._cores is None  # the rule did not ask to lend idle cores
@@ -45,10 +45,16 @@ def test_worker_server_sets_engine_threads_by_the_rule_and_keeps_a_fixed_count()
                                           "lend_idle_cores": 1})
         assert fixed.engine.core.config.num_threads == 2 and fixed.engine._cores is None  # fixed: no lending
         lending = WorkerServer(TINY, "w-lend", enable_ray_metrics=False,
-                               thread_rule={"workers_per_node": 2, "reserved_cpus": 1, "lend_idle_cores": 1})
-        assert lending.engine._cores is not None and lending.engine._cores.share == 1
+                               thread_rule={"workers_per_node": 2, "reserved_cpus": 1, "node_cpus": 8,
+                                            "lend_idle_cores": 1})
+        cores = lending.engine._cores
+        assert cores is not None and cores.share == 3 and cores.max_threads == 7  # never the reserved core
+        two = WorkerServer(TINY, "w-two", enable_ray_metrics=False,  # 2 cores, 1 reserved: nothing to lend
+                           thread_rule={"workers_per_node": 2, "reserved_cpus": 1, "node_cpus": 2,
+                                        "lend_idle_cores": 1})
+        assert two.engine._cores is None and two.engine.core.config.num_threads == 1
     finally:
-        for server in (ruled, fixed, lending):
+        for server in (ruled, fixed, lending, two):
             if server is not None:
                 server.shutdown()
 
