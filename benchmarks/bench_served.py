@@ -190,7 +190,7 @@ def start_server(mode: str, args: argparse.Namespace) -> tuple[subprocess.Popen,
             engine["quantization"] = args.quantization
         if args.threads:
             engine["num_threads"] = args.threads
-        cmd += ["--engine", json.dumps(engine)]
+        cmd += ["--engine", json.dumps(engine)] + (["--config", args.config] if args.config else [])
         ready, model_name = "chunkserve is up", "smollm2-135m-instruct"
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="--mode ray: `chunkserve up --front` (Ray Serve's proxy or HAProxy before the ingress)")
     ap.add_argument("--quantization", choices=["int8", "int4"], default=None,
                     help="weight-only quantisation, served and offline alike (default: none)")
+    ap.add_argument("--config", default=None, help="--mode ray: `chunkserve up --config` (YAML of AppConfig fields)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool per engine (served and offline)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating (served, offline) rounds per workload")
     ap.add_argument("--json", default=None, help="write the results here")
