@@ -46,7 +46,7 @@ def _node_cores(share: int, rule: dict[str, int]) -> NodeCores | None:
     """This worker's slot in its node's core table (`workers/node_cores.py`), or None: where the table cannot
     be opened (logged), or where lending could add nothing. Lent threads never take the rule's reserved cores
     (at most ``node cores - reserved_cpus`` a worker): on a 2-core node with one reserved, the serving path's
-    core. (Measured there, 2026-12-06, Zen 4, HAProxy front: a lone stream on 2 lent threads decoded 9-28 %
+    core. (Measured there, 2026-12-06, Zen 4, HAProxy front: a lone stream on 2 lent threads decoded 6-12 %
     slower than on its own one in 5 of 6 pairs; the OpenMP pair shared the cores with the ingress, HAProxy and
     the event loop. docs/benchmarks.md, "Lent cores on a 2-core node".)"""
     from chunkserve.workers.node_cores import NodeCores  # numpy: only inside the replica
