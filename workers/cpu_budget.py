@@ -37,8 +37,18 @@ def engine_threads(node_cpus: int, workers_per_node: int = 1, reserved_cpus: int
 def rule_threads(rule: Mapping[str, int]) -> int:
     """`engine_threads` for a thread rule (``{"workers_per_node", "reserved_cpus"}``, optionally
     ``"node_cpus"``: the cores to count instead of this process's)."""
-    cpus = rule.get("node_cpus") or available_cpus()
-    return engine_threads(cpus, rule["workers_per_node"], rule["reserved_cpus"])
+    return engine_threads(_rule_cpus(rule), rule["workers_per_node"], rule["reserved_cpus"])
+
+
+def rule_lend_cap(rule: Mapping[str, int]) -> int:
+    """The most engine threads one worker may run with its idle neighbours' shares lent (`workers/node_cores.py`):
+    the node's cores less the reserved ones, so lent threads never take the serving path's cores (on a 2-core
+    node with one reserved, nothing above a worker's own share)."""
+    return _rule_cpus(rule) - max(0, int(rule["reserved_cpus"]))
+
+
+def _rule_cpus(rule: Mapping[str, int]) -> int:
+    return int(rule.get("node_cpus") or available_cpus())
 
 
 def lower_thread_priority(delta: int) -> int | None:

@@ -25,7 +25,7 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
-from chunkserve.workers.cpu_budget import available_cpus, rule_threads
+from chunkserve.workers.cpu_budget import rule_lend_cap, rule_threads
 from chunkserve.workers.engine_config import EngineConfig
 from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
 from chunkserve.workers.streaming import StreamBatching
@@ -42,18 +42,17 @@ FOREST_INTERVAL_S = 2.0  # forest summaries for the dashboard (`workers/tree_sum
 PREFIX_ROUTER = "chunkserve.router.request_router.PrefixAwareRouter"
 
 
-def _node_cores(share: int, rule: dict[str, int]) -> NodeCores | None:
-    """This worker's slot in its node's core table (`workers/node_cores.py`), or None: where the table cannot
-    be opened (logged), or where lending could add nothing. Lent threads never take the rule's reserved cores
-    (at most ``node cores - reserved_cpus`` a worker): on a 2-core node with one reserved, the serving path's
-    core. (Measured there, 2026-12-06, Zen 4, HAProxy front: a lone stream on 2 lent threads decoded 6-12 %
-    slower than on its own one in 5 of 6 pairs; the OpenMP pair shared the cores with the ingress, HAProxy and
-    the event loop. docs/benchmarks.md, "Lent cores on a 2-core node".)"""
-    from chunkserve.workers.node_cores import NodeCores  # numpy: only inside the replica
-
-    cap = (rule.get("node_cpus") or available_cpus()) - max(0, int(rule.get("reserved_cpus", 1)))
+def _node_cores(share: int, cap: int) -> NodeCores | None:
+    """This worker's slot in its node's core table (`workers/node_cores.py`), lending up to `cap` threads
+    (`cpu_budget.rule_lend_cap`), or None: where lending could add nothing, or the table cannot be opened
+    (logged; the worker then keeps its fixed share). On 2 cores with one reserved nothing is lent: measured
+    there (2026-12-06, Zen 4, HAProxy front), a lone stream on 2 lent threads decoded 6-12 % slower than on its
+    own one in 5 of 6 pairs, its OpenMP pair sharing the cores with the ingress, HAProxy and the event loop
+    (docs/benchmarks.md, "Lent cores on a 2-core node")."""
     if cap <= share:
         return None
+    from chunkserve.workers.node_cores import NodeCores  # numpy: only inside the replica
+
     try:
         return NodeCores(share, max_threads=cap)
     except (OSError, RuntimeError, ValueError) as e:
@@ -78,7 +77,7 @@ class WorkerServer:
         if thread_rule is not None and cfg.num_threads is None and cfg.device == "cpu":
             cfg = dataclasses.replace(cfg, num_threads=rule_threads(thread_rule))
             if thread_rule.get("lend_idle_cores"):
-                cores = _node_cores(cfg.num_threads or 1, thread_rule)
+                cores = _node_cores(cfg.num_threads or 1, rule_lend_cap(thread_rule))
         self.worker_id = worker_id
         self.batching = StreamBatching.from_options(stream_batching)
         from chunkserve.workers.async_engine import AsyncEngine  # torch: only inside the replica
