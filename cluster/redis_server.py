@@ -104,7 +104,9 @@ class RedisServer:
         cmd = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
                "--daemonize", "no", "--dir", self._dir, "--protected-mode", "yes", "--loglevel", "warning",
                *self.extra_args]
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # a process group of its own: a terminal's Ctrl-C (sent to the whole foreground group) must not stop the
+        # index while `chunkserve up` drains; `stop` (the launcher's exit) does
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0)
         deadline = time.monotonic() + self.startup_timeout_s
         client = redis.Redis(host=self.host, port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
         try:

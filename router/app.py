@@ -218,6 +218,10 @@ class ServeIngress(Ingress):
                 limiter = ClusterRateLimiter(tenants.tenants, url, cfg.namespace)
         super().__init__(HandleEngineClient(worker_handle), tokenizer, tenants, icfg, cluster_stats=stats,
                          limiter=limiter)
+        if url:
+            from chunkserve.cluster.drain import DrainFlag
+
+            self.drain_flag = DrainFlag(url, cfg.namespace)
 
 
 def build_app(cfg: AppConfig) -> Any:

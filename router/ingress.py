@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from chunkserve import env
+from chunkserve.cluster.drain import DrainFlag
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.stats import ClusterStatsReader, snapshot_of
@@ -118,6 +119,7 @@ class Ingress(GrpcServiceMixin):
         self._app: Any = None
         self._inflight = 0  # streams running through this ingress
         self.draining = False  # set by drain(): new requests get 503 + Retry-After
+        self.drain_flag: DrainFlag | None = None  # the cluster's drain flag (`chunkserve up`'s Ctrl-C), if any
         url = env.redis_url()
         if cluster_stats is None and isinstance(engine, HandleEngineClient) and url:
             cluster_stats = ClusterStatsReader(url)
@@ -222,7 +224,7 @@ class Ingress(GrpcServiceMixin):
         (wall clock, default now) is when the frontend got the request: workers queue by it, so a request
         held up here (a busy replica reading its body) keeps its place before later arrivals."""
         t0 = time.monotonic()
-        if self.draining:
+        if self.draining or (self.drain_flag is not None and await self.drain_flag.is_set()):
             raise self.unavailable("this server is shutting down; retry on another replica")
         self.check_model(req.model)
         try:

@@ -3,8 +3,9 @@
 Starts (or joins, with ``--address``) Ray, starts a real Redis server on a free port unless
 ``--redis-url`` is given, deploys the Serve app (ingress + prefix-routed workers) with HTTP and
 gRPC proxies, prints the endpoints, and shuts everything down cleanly on Ctrl-C or SIGTERM: first a
-drain (the app is deleted while the proxies stay up: no new requests are routed to it, and the
-running ones finish within ``--drain-grace`` seconds, default 30), then Serve and Ray stop. A second
+drain (a flag in Redis makes every ingress answer new requests 503 + Retry-After; then the app is
+deleted while the proxies stay up, and the running requests finish within ``--drain-grace`` seconds,
+default 30), then Serve and Ray stop. A second
 Ctrl-C stops at once.
 Engine threads follow `workers.cpu_budget.engine_threads` (a local Ray started with ``--num-cpus N``
 budgets N cores per node); ``--engine '{"num_threads": K}'`` fixes them.
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
+from chunkserve.cluster.index import DEFAULT_NAMESPACE
 from chunkserve.tools.device_flag import add_device_arg, apply_device
 
 if TYPE_CHECKING:
@@ -152,21 +154,25 @@ def redis_for(url: str | None) -> Iterator[str]:
 # item then crosses threads twice in a worker and again in the ingress. Our replicas never block their loop (the
 # engine has its own thread), so they run on the replica's main loop: a lone int4 stream on 2 cores +7-10 %
 # completion tok/s (docs/benchmarks.md, 2026-12-04). A value already in the environment wins.
+DRAIN_ANNOUNCE_S = 0.5  # from the drain flag to deleting the app: > the ingress's flag read interval (0.1 s)
+
 SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def haproxy_env() -> dict[str, str]:
     """`--front haproxy`: Ray's HAProxy mode (its bundled binary, from ``ray[serve]``) takes the HTTP and gRPC
     ports, and each ingress replica serves its own port behind it (direct ingress): no Python proxy and no
-    body fetch from it on a request's path. An ingress replica stops taking connections as soon as it is told
-    to stop (Ray's default holds it open 30 s for external load balancers; HAProxy retries a refused connection
-    on another replica, or on Ray's head proxy, kept as HAProxy's fallback, whose guard answers 503 JSON while
-    no app is deployed), so the drain takes as long as the running requests; and HAProxy's metrics and stats
+    body fetch from it on a request's path. An ingress replica told to stop stays reachable for 1 s (Ray's
+    default: 30 s, for external load balancers), long enough for HAProxy to drop it from its list while the
+    replica answers new requests 503 JSON (the drain flag), then closes its listener: HAProxy retries a
+    refused connection on another replica, or on Ray's head proxy, kept as HAProxy's fallback, whose guard
+    answers 503 JSON while no app is deployed. So the drain takes as long as the running requests (1 s at
+    least), and no request meets HAProxy's own plain-text 500 in between; and HAProxy's metrics and stats
     listeners (Ray's fixed 9101 and 8404, on all interfaces) get free ports, so that two clusters can share a
     machine. Defaults: `ray_env_vars` lets a value already in the environment win."""
     from chunkserve.cluster.redis_server import find_free_port
 
-    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(find_free_port()),
             "RAY_SERVE_HAPROXY_STATS_PORT": str(find_free_port())}
 
@@ -188,6 +194,7 @@ def start(cfg: AppConfig, opts: LaunchOptions) -> None:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
+    from chunkserve.cluster.drain import clear_draining
     from chunkserve.router.app import APP_NAME, GRPC_SERVICER, build_app
 
     if not cfg.redis_url:
@@ -201,6 +208,7 @@ def start(cfg: AppConfig, opts: LaunchOptions) -> None:
     ray.init(**init)
     serve.start(proxy_location=opts.proxy_location, http_options={"host": opts.host, "port": opts.http_port},
                 grpc_options=gRPCOptions(port=opts.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
+    clear_draining(cfg.redis_url, cfg.namespace)  # one left by an earlier deployment on a shared Redis
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
 
 
@@ -252,24 +260,30 @@ def launch(cfg: AppConfig, opts: LaunchOptions | None = None) -> int:
             while not stop.wait(0.5):
                 if deadline is not None and time.monotonic() > deadline:
                     break
-            drain(cfg.drain_grace_s)
+            drain(cfg.drain_grace_s, redis_url, cfg.namespace)
         finally:
             shutdown()
     print("chunkserve stopped.", flush=True)
     return 0
 
 
-def drain(grace_s: float) -> None:
-    """Deletes the app while the proxies stay up: Serve routes nothing new to it, and each replica stops once
-    its running requests are done or ``grace_s`` has passed (its graceful_shutdown_timeout_s)."""
+def drain(grace_s: float, redis_url: str | None = None, namespace: str = DEFAULT_NAMESPACE) -> None:
+    """Sets the cluster's drain flag (`chunkserve.cluster.drain`: every ingress answers new requests 503 +
+    Retry-After from then on), waits `DRAIN_ANNOUNCE_S` so that each ingress has read it and the requests
+    admitted just before have reached their worker, then deletes the app while the proxies stay up: each
+    replica stops once its running requests are done or ``grace_s`` has passed (its graceful_shutdown_timeout_s)."""
     from ray import serve
 
+    from chunkserve.cluster.drain import mark_draining
     from chunkserve.router.app import APP_NAME
 
     t0 = time.monotonic()
+    flagged = bool(redis_url) and mark_draining(redis_url, namespace, ttl_s=grace_s + 60.0)
     print(f"draining: finishing the running requests (at most {grace_s:.0f} s; Ctrl-C again to stop now)",
           flush=True)
     try:
+        if flagged:
+            time.sleep(DRAIN_ANNOUNCE_S)
         serve.delete(APP_NAME, _blocking=True)
     except Exception as e:  # shutting down must go on
         logger.warning("drain: %s", e)

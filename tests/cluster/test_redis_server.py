@@ -43,3 +43,38 @@ def test_free_ports_come_from_below_the_ephemeral_range_and_can_be_bound() -> No
     for p in list(ports)[:3]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_server_survives_a_ctrl_c_sent_to_its_parents_process_group() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # a child in a process group of its own (as a terminal's foreground job) starts a server, then gets the
+    # group's SIGINT: the server must still answer until the child stops it
+    code = ("import signal, sys, time\n"
+            "from chunkserve.cluster.redis_server import RedisServer\n"
+            "signal.signal(signal.SIGINT, lambda *a: None)\n"
+            "srv = RedisServer().start()\n"
+            "print(srv.url, flush=True)\n"
+            "sys.stdin.readline()\n"
+            "srv.stop()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        url = proc.stdout.readline().strip()
+        os.killpg(proc.pid, signal.SIGINT)
+        client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        for _ in range(5):  # a server that took the SIGINT is gone within a fraction of a second
+            assert client.ping()
+            time.sleep(0.1)
+        client.close()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -55,7 +55,7 @@ def test_front_haproxy_turns_on_rays_haproxy_mode_with_free_side_ports_and_a_sho
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in launcher.ray_env_vars("redis://x:1/0")  # the default front: Ray's proxy
     env = launcher.ray_env_vars("redis://x:1/0", "haproxy")
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "1"  # long enough for HAProxy to drop it
     side = {int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]), int(env["RAY_SERVE_HAPROXY_STATS_PORT"])}
     assert len(side) == 2 and not side & {9101, 8404}  # not Ray's fixed ports: two clusters can share a machine
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "8404")  # the user's value wins
