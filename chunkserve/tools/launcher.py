@@ -278,7 +278,7 @@ def drain(grace_s: float, redis_url: str | None = None, namespace: str = DEFAULT
     from chunkserve.router.app import APP_NAME
 
     t0 = time.monotonic()
-    flagged = bool(redis_url) and mark_draining(redis_url, namespace, ttl_s=grace_s + 60.0)
+    flagged = redis_url is not None and mark_draining(redis_url, namespace, ttl_s=grace_s + 60.0)
     print(f"draining: finishing the running requests (at most {grace_s:.0f} s; Ctrl-C again to stop now)",
           flush=True)
     try:
