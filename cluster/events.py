@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 import redis
 
 from chunkserve.cluster.cache_event import DEFAULT_MAX_DEPTH, EVENT_KINDS, CacheEvent
+from chunkserve.cluster.claims import SETTLE_LUA, settle_keys
 from chunkserve.cluster.index import (
     DEFAULT_NAMESPACE,
     HEARTBEAT_LUA,
@@ -70,6 +71,7 @@ class WorkerPublisher:
         self._heartbeat = client.register_script(HEARTBEAT_LUA)
         self._publish = client.register_script(PUBLISH_LUA)
         self._release = client.register_script(RELEASE_LUA)
+        self._settle = client.register_script(SETTLE_LUA)
         self._lock = threading.Lock()
         self._io_lock = threading.Lock()
         self._needs_resync = True
@@ -132,16 +134,25 @@ class WorkerPublisher:
     def publish(self, events: Sequence[CacheEvent]) -> int:
         """Apply one engine step's events in one atomic round trip. -> number of ops applied (-1: not now)."""
         args: list[str | int] = [self.token]
+        stored: list[int] = []
         for ev in events:
             if ev.kind == "stored" and ev.depth >= self.max_depth:
                 continue
             args.append(_OPS[ev.kind])
             args.append(encode_hash(ev.chunk_hash) if ev.kind != "cleared" else 0)
+            if ev.kind == "stored":
+                stored.append(encode_hash(ev.chunk_hash))
         if len(args) == 1:
             return 0
         try:
             with self._io_lock:
-                n = int(self._publish(keys=self._kv, args=args))
+                if not stored:
+                    n = int(self._publish(keys=self._kv, args=args))
+                else:  # and settle the cold claims those chunks complete (`cluster/claims.py`): one round trip
+                    pipe = self.client.pipeline(transaction=False)
+                    self._publish(keys=self._kv, args=args, client=pipe)
+                    self._settle(keys=settle_keys(self.keys), args=[self.worker_id, *stored], client=pipe)
+                    n = int(pipe.execute()[0])
         except redis.RedisError as e:
             self._note_error("publish", e)
             with self._lock:

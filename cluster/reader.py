@@ -134,11 +134,14 @@ class CachedIndexReader:
             self._cache.popitem(last=False)
         return matches
 
-    async def claim_cold(self, first_hash: int, candidates: Sequence[str], weight: int, ttl_s: float) -> str | None:
+    async def claim_cold(self, first_hash: int, candidates: Sequence[str], weight: int, ttl_s: float,
+                         others: Sequence[str] = (), last_hash: int | None = None) -> str | None:
         """The worker a cold prefix goes to, agreed by every router through Redis (`cluster/claims.py`):
-        an earlier claim if its worker is among ``candidates``, else the candidate with the least claimed
-        cold work (``weight``: the prefix's chunks), ties in ``candidates`` order. None when the index is
-        down or does not answer within ``claim_timeout_s`` (the claim then still lands in the background)."""
+        an earlier claim if its worker is among ``candidates`` or ``others`` (live workers that may not take
+        a new claim, e.g. overloaded: whether to spill from one is the caller's call), else the candidate
+        with the least claimed cold work (``weight``: the prefix's chunks, until the worker stores
+        ``last_hash``, the chain's last chunk), ties in ``candidates`` order. None when the index is down or does not answer within ``claim_timeout_s`` (the claim then still
+        lands in the background)."""
         if self._factory is None or not candidates or (self._down and self._clock() < self._down_until):
             return None
         if self._index is None:
@@ -146,7 +149,8 @@ class CachedIndexReader:
         if self._claim_script is None:
             self._claim_script = self._index.client.register_script(CLAIM_LUA)
         keys = claim_keys(self._index.keys, first_hash)
-        args = claim_args(first_hash, candidates, weight, int(ttl_s * 1000), int(time.time() * 1000))
+        args = claim_args(first_hash, candidates, weight, int(ttl_s * 1000), int(time.time() * 1000), others,
+                          last_hash)
         task = asyncio.get_running_loop().create_task(self._claim_script(keys=keys, args=args))
         task.add_done_callback(_consume_exception)
         done, _ = await asyncio.wait({task}, timeout=self.config.claim_timeout_s)

@@ -19,7 +19,10 @@ per-replica longest cached prefix from the index (``None`` when the index could 
    rendezvous split a capacity-bound test relies on, so rendezvous stays the default. Behind Ray, the
    router then claims a cold prefix in Redis (`cluster/claims.py`): among `cold_candidates` (rendezvous
    order, overloaded ones left out) the worker with the least claimed cold work, and every router follows a
-   live claim (`follow_claim`), so ingress replicas agree and new prefixes spread evenly.
+   live claim (`follow_claim`), so ingress replicas agree and new prefixes spread evenly. A claim's worker
+   counts as a holder of the whole chain (it is computing it): requests follow it under the spill rule of
+   rule 3 with ``m`` = the chain's chunks, not the cold rule (before, a tenant's burst of 8 requests, half of
+   them routed by another ingress replica, left the claim after 4 and recomputed the prompt elsewhere).
 5. ``redis_down``: the index is unreachable -> rules 2-4 on local hints only (rendezvous when none).
    (A lookup that is merely slower than the budget also uses hints only, under the usual reasons.)
 
@@ -186,19 +189,34 @@ class PrefixPolicy:
         return self._decision(pick, "redis_down" if down else "cold_hash", eff, order)
 
     def cold_candidates(self, replicas: Sequence[ReplicaLoad], chain: Sequence[int]) -> list[str]:
-        """Where a cold prefix may go, in rendezvous order: the replicas that are not overloaded (all of
-        them when every one is). The shared claim (`cluster/claims.py`) picks among these."""
+        """Where a cold prefix may go, in rendezvous order: the replicas that are not overloaded by the rule
+        for a holder of the whole chain (all of them when every one is). The shared claim
+        (`cluster/claims.py`) picks among these by claimed cold work. The holder's rule, not the cold one:
+        request counts say little about pending prefill (a tenant's 8 new chats are one prompt's prefill),
+        and with the cold rule a burst of 4 tenants x 8 chats on 2 workers put 3 new prompts on one worker
+        (the first tenant's 8 requests made the other look overloaded), where the claims split them 2:2."""
         min_load = min(r.ongoing for r in replicas)
         order = sorted(replicas, key=lambda r: rendezvous_weight(chain[0], r.replica_id), reverse=True)
-        fit = [r.replica_id for r in order if not self._overloaded(r, min_load)]
+        fit = [r.replica_id for r in order if not self._overloaded(r, min_load, len(chain))]
         return fit or [r.replica_id for r in order]
 
-    def follow_claim(self, replicas: Sequence[ReplicaLoad], decision: Decision, owner: str) -> Decision:
+    def follow_claim(self, replicas: Sequence[ReplicaLoad], decision: Decision, owner: str,
+                     matched: int = 0) -> Decision:
         """A cold decision moved to ``owner``, the worker the shared claim placed the prefix on (no change
-        when ``owner`` is not a candidate)."""
+        when ``owner`` is not a candidate). The owner is computing the prefix, so it is judged as a holder of
+        ``matched`` chunks: overloaded under that rule, the request spills to the least loaded replica that is
+        not (a spill recomputes the prefix there), else it stays with the owner."""
         by_id = {r.replica_id: r for r in replicas}
         r = by_id.get(owner)
-        if r is None or owner == decision.replica_id:
+        if r is None:
+            return decision
+        min_load = min(x.ongoing for x in replicas)
+        if self._overloaded(r, min_load, matched):
+            free = [x for x in replicas if not self._overloaded(x, min_load)]
+            if free:
+                best = min(free, key=lambda x: (x.ongoing, x.replica_id))
+                return self._decision(best, "spill", {}, replicas)
+        if owner == decision.replica_id:
             return decision
         return self._decision(r, decision.reason, {}, replicas)
 

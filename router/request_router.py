@@ -160,10 +160,13 @@ class PrefixAwareRouter(RequestRouter):
         if decision.reason == "cold_hash" and prev is None and self._claims and len(loads) > 1:
             # a new prefix: agree with the other routers on one worker, spreading new prefixes evenly (with
             # a single candidate there is nothing to agree on: no Redis round trip)
-            owner = await self._reader.claim_cold(chain[0], self._policy.cold_candidates(loads, chain),
-                                                  len(chain), self._policy.config.hint_ttl_s)
+            # a claim made earlier is followed even onto an overloaded worker: it is computing the prefix,
+            # so it counts as a holder of the whole chain under the spill rule (`follow_claim`)
+            fit = self._policy.cold_candidates(loads, chain)
+            owner = await self._reader.claim_cold(chain[0], fit, len(chain), self._policy.config.hint_ttl_s,
+                                                  others=[r.replica_id for r in loads], last_hash=chain[-1])
             if owner is not None:
-                decision = self._policy.follow_claim(loads, decision, owner)
+                decision = self._policy.follow_claim(loads, decision, owner, matched=len(chain))
         if self._predictions and pending_request is not None and CHAIN_KWARG in (pending_request.kwargs or {}):
             # the prediction, scored by the worker that runs it (workers/worker_metrics.RoutingAccuracy)
             pending_request.kwargs[ROUTING_KWARG] = {"reason": decision.reason, "depth": len(chain),

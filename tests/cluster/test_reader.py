@@ -124,6 +124,9 @@ def test_routers_claiming_new_prefixes_agree_on_each_and_spread_them_evenly(redi
         gone = placed[0]
         other = "w2" if gone == "w1" else "w1"
         assert await b.claim_cold(firsts[0], [other, "w3"], weight=16, ttl_s=5.0) == "w3"
+        # a live worker passed as one of the others (overloaded: no new claims) keeps the claims it has
+        assert await b.claim_cold(firsts[1], ["w4"], weight=16, ttl_s=5.0, others=["w1", "w2"]) == placed[1]
+        assert await b.claim_cold(firsts[1], ["w4"], weight=16, ttl_s=5.0) == "w4"  # not live: placed anew
         await a.aclose()
         await b.aclose()
 
@@ -144,6 +147,35 @@ def test_expired_claims_release_their_worker_and_their_weight(redis_server: Redi
         await r.aclose()
 
     asyncio.run(go())
+
+
+def test_a_worker_storing_the_claimed_chains_last_chunk_settles_its_weight(redis_server: RedisServer,
+                                                                          namespace: str) -> None:
+    """A new prompt claimed on w1 weighs 16 chunks until w1 stores the chain's last chunk (its prefill is
+    done), not a 30 s ttl: then the next new prompt goes to w1 again. A store by another worker, or of the
+    chain's earlier chunks, settles nothing."""
+    chains = [hash_chain([t] * 64, 4, b"settle") for t in range(3)]
+    w1 = WorkerPublisher(redis_server.url, "w1", namespace=namespace)
+    w2 = WorkerPublisher(redis_server.url, "w2", namespace=namespace)
+    for pub in (w1, w2):
+        pub.heartbeat()
+
+    async def claim(chain: list[int], order: list[str]) -> str | None:
+        r = _reader(redis_server.url, namespace)
+        try:
+            return await r.claim_cold(chain[0], order, weight=len(chain), ttl_s=30.0, last_hash=chain[-1])
+        finally:
+            await r.aclose()
+
+    assert len(chains[0]) == 16
+    assert asyncio.run(claim(chains[0], ["w1", "w2"])) == "w1"
+    w2.publish([CacheEvent("stored", h) for h in chains[0]])  # w1's prompt, computed by w2: not w2's claim
+    w1.publish([CacheEvent("stored", h) for h in chains[0][:-1]])  # all but the last chunk: still cold work
+    assert asyncio.run(claim(chains[1], ["w1", "w2"])) == "w2"  # w1 still carries 16
+    w1.publish([CacheEvent("stored", chains[0][-1])])  # done: w1 0, w2 16
+    assert asyncio.run(claim(chains[2], ["w2", "w1"])) == "w1"  # without the settlement: 16:16, w2 by order
+    for pub in (w1, w2):
+        pub.stop(release=True)
 
 
 def test_a_claim_without_redis_is_none_not_an_error(namespace: str) -> None:

@@ -215,3 +215,29 @@ def test_cold_candidates_are_in_rendezvous_order_without_the_overloaded_and_a_cl
     assert (d.replica_id, moved.replica_id, moved.reason) == (order[0], order[2], "cold_hash")
     assert moved.ranking[0] == order[2] and set(moved.ranking) == {"r0", "r1", "r2"}
     assert pol.follow_claim(even, d, "gone") == d  # not a candidate: the policy's own choice stands
+
+
+def test_a_claimed_prefix_is_followed_as_a_held_one_and_spills_only_under_the_holder_rule() -> None:
+    """8 requests of one new prompt: the claim's worker already runs 5 of them (over the cold rule's
+    threshold against an idle replica), so without the chain counted as held the 6th would recompute the
+    prompt elsewhere; with 16 chunks held it stays, and spills only once the gap passes 4 + 0.5 * 16."""
+    pol = PrefixPolicy()
+    busy = [ReplicaLoad("r0", 5), ReplicaLoad("r1", 0)]
+    d = pol.decide(busy, CHAIN, {})
+    assert pol._overloaded(busy[0], 0)  # the cold rule alone would leave r0
+    kept = pol.follow_claim(busy, d, "r0", matched=16)
+    assert kept.replica_id == "r0" and kept.reason == "cold_hash"
+    flooded = [ReplicaLoad("r0", 13), ReplicaLoad("r1", 0)]
+    spilled = pol.follow_claim(flooded, pol.decide(flooded, CHAIN, {}), "r0", matched=16)
+    assert (spilled.replica_id, spilled.reason) == ("r1", "spill")
+
+
+def test_a_burst_of_one_new_prompts_requests_does_not_shut_its_worker_out_of_new_claims() -> None:
+    """A tenant's 8 new chats on r0 are one prefill; the next tenant's new prompt may still be claimed on r0
+    (the claims then split new prompts by cold work), until r0 passes the holder's spill threshold."""
+    pol = PrefixPolicy()
+    chain = list(range(16))
+    burst = [ReplicaLoad("r0", 8), ReplicaLoad("r1", 0)]
+    assert set(pol.cold_candidates(burst, chain)) == {"r0", "r1"}
+    flooded = [ReplicaLoad("r0", 13), ReplicaLoad("r1", 0)]
+    assert pol.cold_candidates(flooded, chain) == ["r1"]
