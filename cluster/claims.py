@@ -36,7 +36,8 @@ local now = tonumber(ARGV[1])
 local ttl = tonumber(ARGV[2])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 256)
 for _, m in ipairs(expired) do
-  local w, wt, last = string.match(m, '^([^\\t]+)\\t(%d+)\\t[^\\t]+\\t[^\\t]+\\t(.+)$')
+  local w, wt = string.match(m, '^([^\\t]+)\\t(%d+)\\t')
+  local last = string.match(m, '^[^\\t]+\\t%d+\\t[^\\t]+\\t[^\\t]+\\t(.+)$')  -- absent in a 4-field member
   if w and redis.call('HINCRBY', KEYS[3], w, -tonumber(wt)) <= 0 then redis.call('HDEL', KEYS[3], w) end
   if last and redis.call('HGET', KEYS[4], last) == m then redis.call('HDEL', KEYS[4], last) end
   redis.call('ZREM', KEYS[2], m)

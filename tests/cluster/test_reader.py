@@ -178,6 +178,32 @@ def test_a_worker_storing_the_claimed_chains_last_chunk_settles_its_weight(redis
         pub.stop(release=True)
 
 
+def test_an_expired_claim_in_the_older_four_field_form_still_releases_its_weight(redis_server: RedisServer,
+                                                                                namespace: str) -> None:
+    """Claims written before claim settlement (``worker, weight, hash, now``: no last hash) expire as before."""
+    import redis
+
+    from chunkserve.cluster.claims import settle_keys
+    from chunkserve.cluster.index import IndexKeys
+
+    claims, load, _ = settle_keys(IndexKeys(namespace))
+    client = redis.Redis.from_url(redis_server.url)
+    client.zadd(claims, {"w1\t100\t12345\t0": 1})  # expired long ago
+    client.hset(load, "w1", 100)
+    first = hash_chain([7] * 16, 4, b"old")[0]
+
+    async def go() -> str | None:
+        r = _reader(redis_server.url, namespace)
+        try:
+            return await r.claim_cold(first, ["w1", "w2"], weight=1, ttl_s=5.0)
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(go()) == "w1"  # a 0:0 tie, the caller's order (with the old claim's 100 leaked: w2)
+    assert client.hget(load, "w1") == b"1" and client.zcard(claims) == 1  # only the new claim's weight
+    client.close()
+
+
 def test_a_claim_without_redis_is_none_not_an_error(namespace: str) -> None:
     async def go() -> None:
         assert await CachedIndexReader(None).claim_cold(CHAIN[0], ["w1"], 4, ttl_s=1.0) is None
