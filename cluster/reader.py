@@ -140,8 +140,8 @@ class CachedIndexReader:
         an earlier claim if its worker is among ``candidates`` or ``others`` (live workers that may not take
         a new claim, e.g. overloaded: whether to spill from one is the caller's call), else the candidate
         with the least claimed cold work (``weight``: the prefix's chunks, until the worker stores
-        ``last_hash``, the chain's last chunk), ties in ``candidates`` order. None when the index is down or does not answer within ``claim_timeout_s`` (the claim then still
-        lands in the background)."""
+        ``last_hash``, the chain's last chunk), ties in ``candidates`` order. None when the index is down
+        or does not answer within ``claim_timeout_s`` (the claim then still lands in the background)."""
         if self._factory is None or not candidates or (self._down and self._clock() < self._down_until):
             return None
         if self._index is None:

@@ -177,9 +177,8 @@ class PrefixPolicy:
             fit = [r for r in holders if not self._overloaded(r, min_load, eff[r.replica_id])]
             if fit:
                 return self._decision(fit[0], "redis_down" if down else "prefix_hit", eff, replicas)
-            free = [r for r in replicas if not self._overloaded(r, min_load, eff.get(r.replica_id, 0))]
-            if free:
-                best = min(free, key=lambda r: (r.ongoing, -eff.get(r.replica_id, 0), r.replica_id))
+            best = self._spill_target(replicas, min_load, eff)
+            if best is not None:
                 return self._decision(best, "redis_down" if down else "spill", eff, replicas)
             return self._decision(holders[0], "redis_down" if down else "prefix_hit", eff, replicas)
         order = sorted(replicas, key=lambda r: rendezvous_weight(chain[0], r.replica_id), reverse=True)
@@ -211,14 +210,18 @@ class PrefixPolicy:
         if r is None:
             return decision
         min_load = min(x.ongoing for x in replicas)
-        if self._overloaded(r, min_load, matched):
-            free = [x for x in replicas if not self._overloaded(x, min_load)]
-            if free:
-                best = min(free, key=lambda x: (x.ongoing, x.replica_id))
-                return self._decision(best, "spill", {}, replicas)
+        if self._overloaded(r, min_load, matched) and (best := self._spill_target(replicas, min_load, {})):
+            return self._decision(best, "spill", {}, replicas)
         if owner == decision.replica_id:
             return decision
         return self._decision(r, decision.reason, {}, replicas)
+
+    def _spill_target(self, replicas: Sequence[ReplicaLoad], min_load: int,
+                      eff: Mapping[str, int]) -> ReplicaLoad | None:
+        """Where a spilled request goes: the least loaded replica not overloaded for what it holds (more held
+        chunks first on a tie), or None when every one is."""
+        free = [r for r in replicas if not self._overloaded(r, min_load, eff.get(r.replica_id, 0))]
+        return min(free, key=lambda r: (r.ongoing, -eff.get(r.replica_id, 0), r.replica_id), default=None)
 
     def _least_loaded(self, replicas: Sequence[ReplicaLoad], reason: str, eff: dict[str, int]) -> Decision:
         self._rr += 1
