@@ -45,7 +45,7 @@ DEFAULT_STATS_TTL_S = 5.0
 # Engine stats copied into a snapshot (numbers only; cumulative ones are counters).
 STATS_FIELDS = ("kv_cache_usage_perc", "kv_chunks_used", "kv_chunks_cached", "kv_chunks_total",
                 "num_requests_running", "num_requests_waiting", "num_preemptions",
-                "prompt_tokens_total", "prefix_cached_tokens")
+                "prompt_tokens_total", "prefix_cached_tokens", "step_busy_s", "step_cpu_s", "step_runqueue_s")
 
 
 def stats_key(namespace: str, worker_id: str) -> str:

@@ -44,6 +44,7 @@ from chunkserve.workers.protocol import (
 )
 from chunkserve.workers.sampling import SamplingParams
 from chunkserve.workers.streaming import StreamBatching, coalesce
+from chunkserve.workers.thread_clock import ThreadClock
 from chunkserve.workers.tree_summary import ForestUsage, summarize_forest
 
 logger = logging.getLogger(__name__)
@@ -234,13 +235,15 @@ class AsyncEngine:
 
     def _run(self) -> None:
         lower_thread_priority(self.core.config.thread_nice)  # `cpu_budget.py`: the serving path goes first
+        clock = ThreadClock()  # on this thread: it reads this thread's CPU time and run-queue wait
         try:
-            self._loop()
+            self._loop(clock)
         except BaseException:
             logger.exception("engine thread died")
             self._fail_all("the engine thread died")
             raise
         finally:
+            clock.close()
             if self._cores is not None:
                 self._cores.close()
         self._fail_all("the engine was shut down")
@@ -261,7 +264,10 @@ class AsyncEngine:
             rids = list(self._sinks)
         self._deliver([(rid, EngineDeadError(why)) for rid in rids])
 
-    def _loop(self) -> None:
+    def _snapshot(self, clock: ThreadClock) -> EngineStats:
+        return EngineStats.from_dict({**self.core.stats(), **clock.times.as_stats()})
+
+    def _loop(self, clock: ThreadClock) -> None:
         core = self.core
         last_step_s = float("inf")  # the step before, timed (lent threads follow short ones only)
         while not self._stop.is_set():
@@ -270,13 +276,14 @@ class AsyncEngine:
                 last_step_s = float("inf")
                 if self._cores is not None:
                     self._cores.idle()
-                self._stats = EngineStats.from_dict(core.stats())
+                self._stats = self._snapshot(clock)
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             if self._cores is not None:
                 self._take_threads(self._cores, last_step_s)
             started = time.monotonic()
+            clock.begin()
             try:
                 outs = core.step()
             except Exception as e:  # a bug must not kill the loop silently: fail the running requests
@@ -288,6 +295,8 @@ class AsyncEngine:
                     failed.append((req.request_id, EngineStepError(f"engine step failed: {e}")))
                 self._deliver(failed)
                 continue
+            finally:
+                clock.end()
             for ev in core.cache.drain_events():
                 self._events.put(ev)
             now = time.monotonic()
@@ -309,7 +318,7 @@ class AsyncEngine:
             if deltas:
                 self._deliver(deltas)
             if now - self._stats_time > 0.1:
-                self._stats, self._stats_time = EngineStats.from_dict(core.stats()), now
+                self._stats, self._stats_time = self._snapshot(clock), now
 
 
 def _put_all(puts: list[tuple[str, asyncio.Queue, Any]]) -> None:

@@ -139,6 +139,9 @@ class EngineStats(Mapping[str, Any]):
     pinned_chunks: int = 0  # the scheduler (workers/scheduler.py `Scheduler.stats`)
     fair_share: bool = True
     tenant_sched: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # per tenant
+    step_busy_s: float = 0.0  # the served engine thread (workers/thread_clock.py), cumulative: wall in steps,
+    step_cpu_s: float = 0.0  # its CPU time in them,
+    step_runqueue_s: float = 0.0  # and its wait for a core other processes held (Linux)
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # keys not declared above
 
     @classmethod

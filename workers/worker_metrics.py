@@ -8,6 +8,9 @@ Exported names (Ray prefixes ``ray_`` and suffixes counters with ``_total``)::
     ray_chunkserve_worker_prefix_cache_queries_total   prompt tokens looked up in the prefix cache
     ray_chunkserve_worker_prefix_cache_hits_total      prompt tokens served from it
     ray_chunkserve_worker_num_preemptions_total        requests preempted (pool full)
+    ray_chunkserve_worker_engine_step_seconds_total    wall time the engine thread spent in steps
+    ray_chunkserve_worker_engine_step_cpu_seconds_total           ... its CPU time in them
+    ray_chunkserve_worker_engine_step_runqueue_seconds_total      ... its wait for a core other processes held
     ray_chunkserve_worker_kv_cache_usage_perc          fraction of KV chunks in use (1 = full)
     ray_chunkserve_worker_kv_chunks_used / _cached / _total
     ray_chunkserve_worker_num_requests_running / _waiting
@@ -30,6 +33,9 @@ COUNTERS: dict[str, str] = {
     "prefix_cache_queries": "prompt_tokens_total",
     "prefix_cache_hits": "prefix_cached_tokens",
     "num_preemptions": "num_preemptions",
+    "engine_step_seconds": "step_busy_s",
+    "engine_step_cpu_seconds": "step_cpu_s",
+    "engine_step_runqueue_seconds": "step_runqueue_s",
 }
 # gauge name -> engine-stats field
 GAUGES: dict[str, str] = {
@@ -44,6 +50,10 @@ DESCRIPTIONS = {
     "prefix_cache_queries": "Prompt tokens looked up in the worker's prefix cache.",
     "prefix_cache_hits": "Prompt tokens served from the worker's prefix cache.",
     "num_preemptions": "Requests preempted because the KV pool was full.",
+    "engine_step_seconds": "Wall seconds the worker's engine thread spent in steps.",
+    "engine_step_cpu_seconds": "CPU seconds of the engine thread in its steps.",
+    "engine_step_runqueue_seconds": "Seconds the engine thread was ready to step but waited for a core that "
+                                    "other processes held (Linux; 0 elsewhere): the node's CPU contention.",
     "kv_cache_usage_perc": "Fraction of the worker's KV chunks in use (1 = full).",
     "kv_chunks_used": "KV chunks referenced by live sequences.",
     "kv_chunks_cached": "KV chunks kept only as prefix cache (evictable).",

@@ -21,7 +21,9 @@ def test_counters_add_the_growth_of_cumulative_stats() -> None:
               "kv_cache_usage_perc": 0.5, "kv_chunks_total": 64})
     m.update({"prompt_tokens_total": 180, "prefix_cached_tokens": 64, "num_preemptions": 1,
               "kv_cache_usage_perc": 0.25, "kv_chunks_total": 64})
-    assert m.totals == {"prefix_cache_queries": 180.0, "prefix_cache_hits": 64.0, "num_preemptions": 1.0}
+    assert m.totals == {"prefix_cache_queries": 180.0, "prefix_cache_hits": 64.0, "num_preemptions": 1.0,
+                        "engine_step_seconds": 0.0, "engine_step_cpu_seconds": 0.0,
+                        "engine_step_runqueue_seconds": 0.0}
     assert m.gauges["kv_cache_usage_perc"] == 0.25 and m.gauges["kv_chunks_total"] == 64.0
     m.update({"prompt_tokens_total": 30, "prefix_cached_tokens": 64})  # a new engine restarts its counters
     assert m.totals["prefix_cache_queries"] == 210.0 and m.totals["prefix_cache_hits"] == 64.0
@@ -55,6 +57,10 @@ def test_worker_reports_metrics_and_writes_its_snapshot() -> None:
     assert server.metrics.totals["prefix_cache_queries"] == 96
     assert server.metrics.totals["prefix_cache_hits"] == st["prefix_cached_tokens"]
     assert server.metrics.gauges["kv_chunks_total"] == 32
+    # the engine thread's clock: 4 steps at least; CPU within the steps' wall time (a 10 ms tick's slack)
+    busy, cpu = st["step_busy_s"], st["step_cpu_s"]
+    assert busy > 0 and 0 < cpu <= busy + 0.01 and st["step_runqueue_s"] >= 0
+    assert server.metrics.totals["engine_step_seconds"] == busy
 
 
 def test_worker_snapshot_is_in_redis_while_it_runs() -> None:
