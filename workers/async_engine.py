@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -77,6 +77,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stats = EngineStats.from_dict(self.core.stats())
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._on_cache_events: Callable[[], None] | None = None  # called on the engine thread (see below)
         self._stats_time = 0.0
         self._dead: str | None = None  # why the engine no longer takes requests
         self.forest_usage = ForestUsage()  # per-chunk hits / tenants for the dashboard (engine thread)
@@ -164,6 +165,14 @@ class AsyncEngine:
     def _take_hashes(self, depth: int) -> tuple[int, ...]:
         self._hashes = tuple(self.core.cache.cached_hashes(depth))
         return self._hashes
+
+    def on_cache_events(self, fn: Callable[[], None] | None) -> None:
+        """``fn()`` runs on the engine thread after each step that queued chunk-hash events (at most once a
+        step; it must be quick and thread-safe, such as ``loop.call_soon_threadsafe(event.set)``)."""
+        self._on_cache_events = fn
+
+    def has_cache_events(self) -> bool:
+        return not self._events.empty()
 
     def drain_cache_events(self) -> list:
         """Chunk-hash events since the last call (for the cluster index)."""
@@ -258,6 +267,13 @@ class AsyncEngine:
             torch.set_num_threads(n)  # the calling (engine) thread's OpenMP setting
             self.step_threads = n
 
+    @staticmethod
+    def _notify_cache_events(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # a listener whose loop has closed: the events wait for the next drain
+            logger.debug("cache-event listener failed", exc_info=True)
+
     def _fail_all(self, why: str) -> None:
         with self._lock:
             self._dead = why
@@ -297,8 +313,11 @@ class AsyncEngine:
                 continue
             finally:
                 clock.end()
-            for ev in core.cache.drain_events():
+            events = core.cache.drain_events()
+            for ev in events:
                 self._events.put(ev)
+            if events and self._on_cache_events is not None:
+                self._notify_cache_events(self._on_cache_events)
             now = time.monotonic()
             last_step_s = now - started
             deltas = []

@@ -2,7 +2,8 @@
 
 `WorkerServer` is the Ray-agnostic replica body (tests can run it in-process); `build_worker_deployment`
 wraps it as a Serve deployment whose requests are routed by `PrefixAwareRouter`. Each replica
-publishes stored/evicted chunk hashes under its Ray replica id once per ~50 ms batch, and holds a
+publishes stored/evicted chunk hashes under its Ray replica id as soon as a step queues them (then
+at most once per ``PUBLISH_INTERVAL_S``, batching), and holds a
 lease in Redis through the publisher's heartbeat thread. About once a second the same loop records the
 engine's stats as Ray Serve metrics (`workers/worker_metrics.py`) and, with Redis, writes a stats snapshot
 (`cluster/stats.py`) that the ingress's ``/metrics`` reads.
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PUBLISH_INTERVAL_S = 0.05
+PUBLISH_INTERVAL_S = 0.05  # the least time between two index publishes (a step that stores chunks wakes one)
 STATS_INTERVAL_S = 1.0
 FOREST_INTERVAL_S = 2.0  # forest summaries for the dashboard (`workers/tree_summary.py`)
 PREFIX_ROUTER = "chunkserve.router.request_router.PrefixAwareRouter"
@@ -94,6 +95,7 @@ class WorkerServer:
         self.publisher = None
         self.stats_writer = None
         self._pub_task: asyncio.Task | None = None
+        self._pub_wake = asyncio.Event()  # set (through the loop) by a step that queued cache events
         if redis_url and depth is not None:
             from chunkserve.cluster.events import WorkerPublisher
             from chunkserve.cluster.index import DEFAULT_NAMESPACE
@@ -109,17 +111,28 @@ class WorkerServer:
     def start_publishing(self) -> None:
         """Start the event-publishing and stats task on the running event loop (idempotent)."""
         if self._pub_task is None:
-            self._pub_task = asyncio.get_running_loop().create_task(self._publish_loop())
+            loop = asyncio.get_running_loop()
+            if self.publisher is not None:  # a step that stores or evicts chunks wakes the publish at once
+                wake = self._pub_wake.set
+                self.engine.on_cache_events(lambda: loop.call_soon_threadsafe(wake))
+            self._pub_task = loop.create_task(self._publish_loop())
 
     async def _publish_loop(self) -> None:
+        """Publishes the cache events as soon as a step queues some (then at most one publish per
+        ``PUBLISH_INTERVAL_S``, batching what comes meanwhile), and the stats and forest on their intervals.
+        Idle, it wakes once per stats interval. A claimed cold prefix (`cluster/claims.py`) is settled by the
+        publish that stores its last chunk, so the next new prefix is placed on current load."""
+        loop = asyncio.get_running_loop()
         next_stats = next_forest = 0.0
         while True:
+            published = False
             try:
                 if self.publisher is not None:
                     events = self.engine.drain_cache_events()
                     if events:
+                        published = True
                         await asyncio.to_thread(self.publisher.publish, events)
-                now = asyncio.get_running_loop().time()
+                now = loop.time()
                 if now >= next_stats:
                     next_stats = now + STATS_INTERVAL_S
                     await self.report_stats()
@@ -129,7 +142,16 @@ class WorkerServer:
                     await asyncio.to_thread(self.stats_writer.write_forest, summary)
             except Exception:  # never let one bad tick stop publishing
                 logger.exception("worker %s: publish/stats tick failed", self.worker_id)
-            await asyncio.sleep(PUBLISH_INTERVAL_S if self.publisher is not None else STATS_INTERVAL_S)
+            if self.publisher is None:
+                await asyncio.sleep(max(0.0, next_stats - loop.time()))
+                continue
+            if published:
+                await asyncio.sleep(PUBLISH_INTERVAL_S)  # batch what the next steps store
+            self._pub_wake.clear()
+            if not self.engine.has_cache_events():  # events queued before the clear() already set it
+                due = min(next_stats, next_forest if self.stats_writer is not None else next_stats)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._pub_wake.wait(), timeout=max(0.0, due - loop.time()))
 
     async def report_stats(self) -> dict[str, Any]:
         """Record the engine's stats as metrics and (with Redis) write the snapshot. -> the stats."""

@@ -85,3 +85,43 @@ def test_worker_snapshot_is_in_redis_while_it_runs() -> None:
     assert snap["worker_id"] == "w-live" and snap["kv_chunks_total"] == 16
     assert snap["kv_cache_usage_perc"] == 0.0
     assert 0 < ttl_ms <= 5000  # the snapshot expires by itself if the worker dies
+
+
+def test_a_stored_prompt_reaches_the_index_at_once_not_a_publish_interval_later(monkeypatch) -> None:
+    import time
+
+    from chunkserve.cluster.hashing import hash_chain
+    from chunkserve.cluster.index import PrefixIndex
+    from chunkserve.workers import deployment
+
+    # a step that stores chunks wakes the publish; the interval only spaces publishes after one
+    monkeypatch.setattr(deployment, "PUBLISH_INTERVAL_S", 5.0)
+    monkeypatch.setattr(deployment, "STATS_INTERVAL_S", 30.0)
+    prompt = tuple((7 * i + 3) % 200 + 1 for i in range(48))  # 3 full chunks of 16
+    chain = hash_chain(prompt, 16)
+
+    async def run(url: str) -> float | None:
+        server = WorkerServer({"model": "random:tiny", "chunk_size": 16, "num_kv_chunks": 32,
+                               "max_model_len": 128}, "w-pub", redis_url=url, enable_ray_metrics=False)
+        index = PrefixIndex(url, namespace="chunkserve")
+        try:
+            server.start_publishing()
+            await asyncio.sleep(0.5)  # the loop's first tick (stats, forest) is over: it waits
+            req = GenerateRequest(request_id="r0", prompt_token_ids=prompt,
+                                  sampling=SamplingParams(max_tokens=1, temperature=0.0))
+            async for _ in server.generate(req):
+                pass
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 2.0:
+                held = await asyncio.to_thread(index.longest_prefixes, chain, ["w-pub"])
+                if held.get("w-pub") == len(chain):
+                    return time.monotonic() - t0
+                await asyncio.sleep(0.02)
+            return None
+        finally:
+            index.close()
+            server.shutdown()
+
+    with RedisServer() as srv:
+        waited = asyncio.run(run(srv.url))
+    assert waited is not None, "the prompt's chunks were not in the index 2 s after its request ended"
