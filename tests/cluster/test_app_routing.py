@@ -122,17 +122,37 @@ def _system_prompts(workers: list[str]) -> dict[str, list[int]]:
     return prompts
 
 
-def _run(base: str, prompts: dict[str, list[int]], order: list[str], seed: int, max_tokens: int = 2
-         ) -> list[tuple[str, int]]:
-    """Send the requests one by one: -> (tenant, cached prompt tokens) per request."""
+def _wait_cold_claims_settled(redis_url: str, timeout_s: float = 5.0) -> None:
+    """Until no cold claim weighs on any worker (`cluster/claims.py`: a worker settles its claim when its index
+    publish stores the claimed prompt's last chunk, up to a publish interval after the prefill)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while any(int(v) > 0 for v in client.hvals(f"{{{NS}}}:coldload")):
+            assert time.monotonic() < deadline, "a cold claim was not settled"
+            time.sleep(0.02)
+    finally:
+        client.close()
+
+
+def _run(base: str, prompts: dict[str, list[int]], order: list[str], seed: int, max_tokens: int = 2,
+         settle_redis: str | None = None) -> list[tuple[str, int]]:
+    """Send the requests one by one: -> (tenant, cached prompt tokens) per request. With ``settle_redis``,
+    each tenant's first request is followed by `_wait_cold_claims_settled`."""
     rng = random.Random(seed)
     out = []
+    seen: set[str] = set()
     for t in order:
         client = HTTPClient(base, api_key=f"sk-{t}", model=MODEL, timeout=60)
         suffix = [rng.randrange(40_001, 49_000) for _ in range(SUFFIX_TOKENS)]
         resp = client.complete(prompts[t] + suffix, max_tokens=max_tokens, temperature=0.0)
         assert resp["usage"]["prompt_tokens"] == SYS_TOKENS + SUFFIX_TOKENS
         out.append((t, resp["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        if settle_redis is not None and t not in seen:
+            _wait_cold_claims_settled(settle_redis)
+        seen.add(t)
     return out
 
 
@@ -165,7 +185,9 @@ def test_tenants_stick_to_their_prefix_worker_and_beat_round_robin(
     prompts = _system_prompts(workers)
     order = TENANTS + random.Random(5).choices(TENANTS, k=36)  # 40 requests, each tenant first once
     t0 = time.monotonic()
-    results = _run(base, prompts, order, seed=1)
+    # the prompts' rendezvous owners split 2/2; a new prompt goes to its owner when no other cold claim is in
+    # flight (else to the worker with less claimed work), so each first request waits for its claim to settle
+    results = _run(base, prompts, order, seed=1, settle_redis=redis_server.url)
     pa_s = time.monotonic() - t0
     firsts: set[str] = set()
     for i, (t, cached) in enumerate(results):
