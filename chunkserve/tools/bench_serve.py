@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chunkserve.tools import client, procs, report, workload
+from chunkserve.tools import client, engine_clock, procs, report, workload
 
 
 def _pairs(values: list[str], flag: str) -> dict[str, str]:
@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json (or its folder) that sizes the prompts "
                     "(default: the embedded SmolLM2's)")
     ap.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
+    ap.add_argument("--engine-clock-wait", type=float, default=engine_clock.DEFAULT_WAIT_S,
+                    help="seconds after a run before reading a chunkserve endpoint's engine step clock from its "
+                    "/metrics (wall, CPU and run-queue seconds of the engine threads; other servers: skipped)")
     ap.add_argument("--json", default="bench_serve.json", help="results file")
     ap.add_argument("--plot", default=None, help="PNG plot (default: the --json path with .png)")
     ap.add_argument("--no-plot", action="store_true")
@@ -106,6 +109,7 @@ class Plan:
     api_keys: dict[str, str]
     max_concurrency: int | None
     request_timeout: float
+    engine_clock_wait_s: float = engine_clock.DEFAULT_WAIT_S
 
 
 async def warm_up(session: Any, name: str, model: str, api_key: str | None, patience_s: float = 120.0) -> None:
@@ -142,6 +146,7 @@ async def bench_endpoint(name: str, url: str, model: str | None, plan: Plan, pid
             runs.append(("single", [plan.single], plan.singles))
         for run, reqs, times in runs:
             cpu0 = await asyncio.to_thread(procs.cpu_by_process, pid) if pid else {}
+            clock0 = await engine_clock.read(s)
             self0 = time.process_time()
             records: list[client.RequestRecord] = []
             for _ in range(times):
@@ -151,6 +156,9 @@ async def bench_endpoint(name: str, url: str, model: str | None, plan: Plan, pid
             summary["client_cpu_s"] = round(time.process_time() - self0, 2)
             if pid:
                 summary["server_cpu_s"] = procs.cpu_delta(cpu0, await asyncio.to_thread(procs.cpu_by_process, pid))
+            if clock0 is not None:  # a chunkserve endpoint: what its engine threads did in this run
+                await asyncio.sleep(plan.engine_clock_wait_s)
+                summary["engine_clock"] = engine_clock.delta(clock0, await engine_clock.read(s))
             out["runs"][run] = summary
             print(f"  {name} {report.run_label(run)}: {json.dumps(summary)}", flush=True)
     return out
@@ -184,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{flag} names {sorted(unknown)}, which are not endpoints ({', '.join(endpoints)})")
         if any(not isinstance(v, dict) for v in extra.values()):
             raise ValueError("--extra-body takes a JSON object")
+        if args.engine_clock_wait < 0:
+            raise ValueError("--engine-clock-wait takes seconds >= 0")
         if args.max_tokens < 1 or args.passes < 0 or args.single < 0 or (args.passes == 0 and args.single == 0):
             raise ValueError("need --max-tokens >= 1 and at least one pass or lone stream")
         if args.vs is not None and (len(args.vs.split(",")) != 2 or set(args.vs.split(",")) - set(endpoints)):
@@ -211,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for name, url in endpoints.items():
         plan = Plan(chats, workload.single_request(salt), dataclasses.replace(sampling, extra_body=extra.get(name, {})),
-                    args.passes, args.single, keys, args.max_concurrency, args.request_timeout)
+                    args.passes, args.single, keys, args.max_concurrency, args.request_timeout,
+                    args.engine_clock_wait)
         try:
             results["endpoints"][name] = run_endpoint(name, url, launches.get(name), models.get(name), plan,
                                                       json_path.parent, args.launch_timeout)
@@ -225,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nCPU: {results['machine']['cpu']} ({results['machine']['cores']} cores); load avg "
           f"{results['machine']['load_avg_start'][0]:.1f} -> {results['machine']['load_avg_end'][0]:.1f}")
     print(report.table(results))
+    engines = report.engine_table(results)
+    if engines:
+        print("\n" + engines)
     if args.vs:
         ours, peer = args.vs.split(",")
         results["targets"] = {"ours": ours, "peer": peer, "rows": report.check_targets(results, ours, peer)}

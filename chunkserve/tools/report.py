@@ -46,6 +46,24 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def engine_table(results: dict[str, Any]) -> str:
+    """The chunkserve endpoints' engine threads per run (`tools/engine_clock.py`): seconds in steps, their CPU
+    time, and their wait for a core other processes held; "" when no endpoint reported a step clock."""
+    lines = []
+    for name, ep in results["endpoints"].items():
+        for run, s in ep.get("runs", {}).items():
+            c = s.get("engine_clock")
+            if not c:
+                continue
+            share = "-" if c.get("runqueue_share") is None else f"{100 * c['runqueue_share']:.0f} %"
+            lines.append(f"{run_label(run):<20}{name:<14}{c['busy_s']:>10.2f}{c['cpu_s']:>10.2f}"
+                         f"{c['runqueue_s']:>12.2f}{share:>9}")
+    if not lines:
+        return ""
+    head = f"{'engine threads':<20}{'endpoint':<14}{'in steps':>10}{'CPU':>10}{'run queue':>12}{'share':>9}"
+    return "\n".join([head, *lines])
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     """Bars per run and endpoint: completion tok/s, TTFT p50 (with p90 whiskers), TPOT p50."""
     import matplotlib

@@ -50,7 +50,7 @@ def test_bench_serve_reports_throughput_latency_and_cached_tokens(server: LocalS
     out = tmp_path / "serve.json"
     rc = bench_serve.main(["--tokenizer", tokenizer, "--endpoint", f"local={server.http_url}/v1", "--tenants", "2", "--requests-per-tenant",
                            "2", "--system-tokens", "40", "--max-tokens", "3", "--passes", "2", "--single", "1",
-                           "--json", str(out)])
+                           "--engine-clock-wait", "0.3", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["workload"]["requests"] == 4 and res["workload"]["system_prompt_tokens"] >= 40
@@ -70,6 +70,10 @@ def test_bench_serve_reports_throughput_latency_and_cached_tokens(server: LocalS
     assert again["cached_tokens"] > first["cached_tokens"]
     assert again["cached_fraction"] >= 0.5
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    # the engine thread's step clock from the endpoint's /metrics: the first pass prefilled 4 prompts
+    clock = first["engine_clock"]
+    assert clock["busy_s"] > 0 and 0 < clock["cpu_s"] <= clock["busy_s"] + 0.01 and clock["runqueue_s"] >= 0
+    assert "engine threads" in report.engine_table(res)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -78,6 +82,7 @@ def test_bench_serve_reports_throughput_latency_and_cached_tokens(server: LocalS
     (["--endpoint", "a=http://x", "--vs", "a,b"], "two of the endpoints"),
     (["--endpoint", "a=http://x", "--rate", "0"], "arrival rate"),
     (["--endpoint", "a=http://x", "--extra-body", "a=[1]"], "JSON object"),
+    (["--endpoint", "a=http://x", "--engine-clock-wait", "-1"], "engine-clock-wait"),
 ])
 def test_bench_serve_rejects_bad_flags_with_a_usage_error(argv: list[str], message: str,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,6 +142,24 @@ def test_launched_server_is_started_for_its_runs_and_stopped_after(tokenizer: st
                            "--system-tokens", "10", "--no-plot"])
     assert rc == 1
     assert "exited with 3 before serving" in json.loads(out.read_text())["endpoints"]["gone"]["error"]
+
+
+def test_engine_clock_sums_the_workers_and_a_server_without_it_reads_none() -> None:
+    from chunkserve.tools import engine_clock
+
+    text = ("# HELP x\n"
+            'chunkserve:worker_engine_step_seconds_total{model_name="m",worker_id="a"} 2.5\n'
+            'chunkserve:worker_engine_step_seconds_total{model_name="m",worker_id="b"} 1.5\n'
+            'chunkserve:worker_engine_step_cpu_seconds_total{model_name="m",worker_id="a"} 3\n'
+            'chunkserve:worker_engine_step_runqueue_seconds_total{model_name="m",worker_id="a"} 0.5\n'
+            "chunkserve:worker_engine_step_seconds_total_other 9\n")
+    before = engine_clock.parse(text)
+    assert before == {"busy_s": 4.0, "cpu_s": 3.0, "runqueue_s": 0.5}
+    assert engine_clock.parse("llamacpp:prompt_tokens_total 5\n") is None
+    d = engine_clock.delta(before, {"busy_s": 8.0, "cpu_s": 6.0, "runqueue_s": 1.5})
+    assert d == {"busy_s": 4.0, "cpu_s": 3.0, "runqueue_s": 1.0, "runqueue_share": 0.25}
+    assert engine_clock.delta(before, {"busy_s": 1.0, "cpu_s": 6.0, "runqueue_s": 1.5}) is None  # a restart
+    assert engine_clock.delta(before, None) is None
 
 
 def test_summary_figures_follow_from_the_request_records() -> None:
