@@ -113,8 +113,10 @@ class WorkerServer:
         if self._pub_task is None:
             loop = asyncio.get_running_loop()
             if self.publisher is not None:  # a step that stores or evicts chunks wakes the publish at once
-                wake = self._pub_wake.set
-                self.engine.on_cache_events(lambda: loop.call_soon_threadsafe(wake))
+                def wake() -> None:  # on the engine thread
+                    loop.call_soon_threadsafe(self._pub_wake.set)
+
+                self.engine.on_cache_events(wake)
             self._pub_task = loop.create_task(self._publish_loop())
 
     async def _publish_loop(self) -> None:
