@@ -40,6 +40,11 @@ class ThreadClock:
         self.times = StepTimes()
         self._start: tuple[float, float, float] | None = None
 
+    @property
+    def reads_runqueue(self) -> bool:
+        """Whether the run-queue wait is read (Linux with schedstat); else it stays 0."""
+        return self._fd is not None
+
     def _runqueue_s(self) -> float:
         if self._fd is None:
             return 0.0

@@ -41,10 +41,10 @@ def test_a_step_that_shares_its_core_with_a_busy_process_counts_run_queue_wait()
     import subprocess
 
     probe = ThreadClock()
-    if probe._fd is None:
-        probe.close()
-        pytest.skip("this kernel has no /proc/thread-self/schedstat")
+    readable = probe.reads_runqueue
     probe.close()
+    if not readable:
+        pytest.skip("this kernel has no /proc/thread-self/schedstat")
     cpu = sorted(os.sched_getaffinity(0))[0]
     rival = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # another process: no GIL shared
     waits: list[float] = []
