@@ -36,11 +36,12 @@ from chunkserve.workers.quant import (
 
 OP_WORDS = 16  # kOpWords of the source
 LINEAR, CALL = 0, 1
-MAX_PROGRAMS = 8  # programs kept per model (by batch size and thread count, most recently used)
+MAX_PROGRAMS = 16  # programs kept per model (by batch size and thread count, most recently used; ~0.2 ms to build)
 # bf16 models: decode steps of at most this many rows run through `B16Weight` copies of the layers (a step of
-# few rows reads every weight once, which the kernel does at memory speed; from about 16 rows on oneDNN's
-# blocked bf16 kernel is faster: `benchmarks/bench_step.py`, docs/benchmarks.md)
-BF16_PROGRAM_ROWS = 8
+# few rows reads every weight once, which the kernel does at memory speed; up to 16 rows its tiles of up to 16
+# rows beat oneDNN's blocked bf16 kernel, one call and all, and from about 24 rows oneDNN is faster:
+# `benchmarks/bench_step.py`, docs/benchmarks.md)
+BF16_PROGRAM_ROWS = 16
 
 
 @dataclass(frozen=True)

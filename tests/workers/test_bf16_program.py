@@ -20,7 +20,7 @@ def test_bf16_block_linear_equals_the_fp32_matmul_of_its_bf16_operands(out_dtype
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(83, 96, generator=g).bfloat16(), torch.randn(83, generator=g)  # 83: a partial row group
     fn = block_linear(B16Weight.quantize(w), b.to(out_dtype), torch.bfloat16, out_dtype)
-    for rows in (1, 3, 8, 9, 70):  # 8-row tiles, their remainders, more than one activation tile
+    for rows in (1, 3, 8, 9, 16, 70):  # narrow and wide tiles, more than one activation piece
         x = torch.randn(rows, 96, generator=g).bfloat16()
         got = fn(x)
         want = F.linear(x.float(), w.float(), b.to(out_dtype).float())

@@ -84,7 +84,9 @@ def test_block_linear_matches_the_dequantised_matmul_up_to_int8_activation_round
 
 @pytest.mark.parametrize(("cls", "dtype", "rows"), [
     (Q4Weight, torch.float32, 9),
-    (B16Weight, torch.bfloat16, 11),  # bf16 weights: a tile of 8 rows, then of 2 and of 1
+    (B16Weight, torch.bfloat16, 11),  # bf16 weights: one narrow tile of 11 rows (8 outputs in the lanes)
+    (B16Weight, torch.bfloat16, 16),  # one wide tile (16 rows in the lanes): the same bits as a row alone
+    (B16Weight, torch.bfloat16, 29),  # wide tiles of 15 and 14 rows (zero lanes past their rows)
 ])
 def test_block_linear_rows_do_not_depend_on_the_batch_or_the_thread_count(cls: type, dtype: torch.dtype,
                                                                          rows: int) -> None:
@@ -103,7 +105,7 @@ def test_block_linear_rows_do_not_depend_on_the_batch_or_the_thread_count(cls: t
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
-    for i in (0, 4, 7, 8, rows - 1):
+    for i in sorted({0, 4, 7, 8, 14, rows - 1} & set(range(rows))):
         assert torch.equal(fn(x[i:i + 1])[0], one[i])
 
 

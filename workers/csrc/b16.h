@@ -25,30 +25,20 @@ constexpr int64_t kB16Bytes = 512;  // one block of 8 rows x 32 values
 #define CS_B16_NATIVE 0
 #endif
 
-// 8 rows of one group x MT activation rows (bf16, row stride K); out[m * ldo + r]. Each row sums into two
-// accumulators (even and odd pairs), added at the end: independent chains for the FMA latency.
+// Without AVX512-BF16: 8 rows of one group x MT activation rows (bf16, row stride K); out[m * ldo + r]. Each row
+// sums into two accumulators (even and odd elements of the pairs), added at the end. (The native tiles are below.)
 template <int MT>
 void group_b16(const uint8_t* pw, int64_t nb, const uint16_t* x, int64_t K, float* out, int64_t ldo) {
 #if CS_Q_AVX2
   __m256 acc[MT][2];
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-#if !CS_B16_NATIVE
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
-#endif
   for (int64_t b = 0; b < nb; ++b, pw += kB16Bytes) {
     for (int64_t c = 0; c < kB16Bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(pw) + 4096 + c, _MM_HINT_T0);
     const uint16_t* xb = x + b * kBlock;
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + 32 * i));
-#if CS_B16_NATIVE
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m) {
-        int32_t pair;
-        std::memcpy(&pair, xb + m * K + 2 * i, 4);
-        acc[m][i & 1] = _mm256_dpbf16_ps(acc[m][i & 1], (__m256bh)w, (__m256bh)_mm256_set1_epi32(pair));
-      }
-#else
       const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));  // w[r][2i] as fp32
       const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));  // w[r][2i + 1]
       for (int m = 0; m < MT; ++m) {
@@ -56,7 +46,6 @@ void group_b16(const uint8_t* pw, int64_t nb, const uint16_t* x, int64_t K, floa
         acc[m][0] = _mm256_fmadd_ps(lo, _mm256_set1_ps(bf16_to_f(xp[0])), acc[m][0]);
         acc[m][1] = _mm256_fmadd_ps(hi, _mm256_set1_ps(bf16_to_f(xp[1])), acc[m][1]);
       }
-#endif
     }
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, _mm256_add_ps(acc[m][0], acc[m][1]));
@@ -77,6 +66,75 @@ void group_b16(const uint8_t* pw, int64_t nb, const uint16_t* x, int64_t K, floa
     for (int r = 0; r < 8; ++r) out[m * ldo + r] = acc[m][0][r] + acc[m][1][r];
 #endif
 }
+
+#if CS_B16_NATIVE
+// The native tiles read their activation rows interleaved: word p * S + m is row m's pair p = (x[m][2p],
+// x[m][2p + 1]), S slots a pair (the tile's rows; 16 for the wide tile, zero past its rows), so every broadcast or
+// load sits at a constant offset from one pointer (with a pointer per row the tile spilled its registers and
+// loaded twice per product). Each output sums its even and its odd pairs in two chains, added at the end, in
+// every tile: a row's outputs are the same bits in any batch, and one row keeps two chains in flight over one
+// stream of weights (one chain, or several groups at once, fell from ~27 to 12-21 GB/s at one row on Zen 4).
+constexpr int64_t kB16Prefetch = 4096;  // bytes ahead of the block being read
+constexpr int64_t kB16MaxTile = 16;  // rows per tile at most
+constexpr int kB16Wide = 13;  // tiles of this many rows or more take the wide kernel (lanes over 16 rows)
+
+// Rows of the next tile with `left` rows still to do: the fewest tiles, as even as they go (20 rows: 10 + 10).
+constexpr int b16_tile_rows(int64_t left) {
+  return static_cast<int>((left + (left + kB16MaxTile - 1) / kB16MaxTile - 1) / ((left + kB16MaxTile - 1) / kB16MaxTile));
+}
+constexpr int b16_slots(int mt) { return mt >= kB16Wide ? static_cast<int>(kB16MaxTile) : mt; }
+
+// mt rows of bf16 x (row stride K) -> xi [K / 2, b16_slots(mt)] pairs (zero past row mt).
+inline void interleave_b16(const uint16_t* x, int64_t K, int mt, uint32_t* xi) {
+  const int S = b16_slots(mt);
+  if (S > mt) std::memset(xi, 0, sizeof(uint32_t) * S * (K / 2));
+  for (int m = 0; m < mt; ++m)
+    for (int64_t p = 0; p < K / 2; ++p) std::memcpy(xi + p * S + m, x + m * K + 2 * p, 4);
+}
+
+// Narrow tile: 8 output rows of one group (the lanes) x MT activation rows; out[m * ldo + r].
+template <int MT>
+void group_b16_native(const uint8_t* pw, int64_t nb, const uint32_t* xi, float* out, int64_t ldo) {
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, pw += kB16Bytes, xi += 16 * MT) {
+    for (int64_t c = 0; c < kB16Bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(pw) + kB16Prefetch + c, _MM_HINT_T0);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      const __m256bh w = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + 32 * i));
+#pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m)
+        acc[m][i & 1] = _mm256_dpbf16_ps(acc[m][i & 1], w, (__m256bh)_mm256_set1_epi32(static_cast<int32_t>(xi[i * MT + m])));
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, _mm256_add_ps(acc[m][0], acc[m][1]));
+}
+
+// Wide tile: 16 activation rows (the lanes; rows past mt are zero) x the 8 output rows of one group, each weight
+// pair broadcast once for all 16 rows; the same per-lane sums as the narrow tile. out[m * ldo + r], m < mt.
+inline void group_b16_wide(const uint8_t* pw, int64_t nb, const uint32_t* xi, int mt, float* out, int64_t ldo) {
+  __m512 acc[8][2];
+  for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, pw += kB16Bytes, xi += 16 * kB16MaxTile) {
+    for (int64_t c = 0; c < kB16Bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(pw) + kB16Prefetch + c, _MM_HINT_T0);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xi + i * kB16MaxTile);
+      const uint8_t* wv = pw + 32 * i;  // the 8 output rows' pairs, 4 bytes each
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) {
+        int32_t wp;
+        std::memcpy(&wp, wv + 4 * r, 4);
+        acc[r][i & 1] = _mm512_dpbf16_ps(acc[r][i & 1], xv, (__m512bh)_mm512_set1_epi32(wp));
+      }
+    }
+  }
+  alignas(64) float t[8][16];
+  for (int r = 0; r < 8; ++r) _mm512_store_ps(t[r], _mm512_add_ps(acc[r][0], acc[r][1]));
+  for (int m = 0; m < mt; ++m)
+    for (int r = 0; r < 8; ++r) out[m * ldo + r] = t[r][m];
+}
+#endif
 
 // One row of K fp32 values -> K bf16 (round to nearest even).
 inline void bf16_row(const float* f, int64_t K, uint16_t* q) {

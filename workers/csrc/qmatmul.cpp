@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "b16.h"
@@ -192,6 +193,7 @@ struct Args {
   int64_t N, K, M;
   const int8_t* xq;
   const uint16_t* xb;  // bf16 activations [M, K] (weight type 2)
+  const uint32_t* xi;  // the same, interleaved tile by tile for the native bf16 tiles (b16.h), or null
   const float* xa;
   const float* xs;  // per row and block: a * sum(q) for Q4_1; the exact integer sum(q) for Q8_0
   void* y;
@@ -213,9 +215,77 @@ void group_rows(const Args& g, int64_t grp, int64_t m, float* out) {
   }
 }
 
+// Add bias, round and write (or accumulate) the tile's rows [m, m + mt) x outputs [n0, n0 + width) from out.
+void store_tile(const Args& g, int64_t n0, int64_t width, int64_t m, int64_t mt, const float* out, int64_t ldo) {
+  const int64_t rows = g.N - n0 < width ? g.N - n0 : width;
+  for (int64_t i = 0; i < mt; ++i) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float v = out[i * ldo + r];
+      if (g.bias != nullptr) v += load_x(g.bias, g.ydtype, n0 + r);
+      if (g.ydtype == 0) {
+        float* y = static_cast<float*>(g.y) + (m + i) * g.ldy + n0 + r;
+        *y = g.accumulate ? *y + v : v;
+      } else {
+        uint16_t* y = static_cast<uint16_t*>(g.y) + (m + i) * g.ldy + n0 + r;
+        *y = f_to_bf16(g.accumulate ? bf16_to_f(*y) + round_to(1, v) : v);  // ATen: y + round(v)
+      }
+    }
+  }
+}
+
+#if CS_B16_NATIVE
+// The native tiles of rows [m0, m1) (a piece of at most kTileM rows starting at a multiple of it), in order:
+// fn(m, mt, xi offset in words). Each piece's interleaved rows start at its own slot, padding included.
+template <class F>
+void for_b16_tiles(int64_t m0, int64_t m1, int64_t K, F fn) {
+  int64_t off = m0 / kTileM * (kTileM + kB16MaxTile) * (K / 2);
+  for (int64_t m = m0; m < m1;) {
+    const int mt = b16_tile_rows(m1 - m);
+    fn(m, mt, off);
+    off += b16_slots(mt) * (K / 2);
+    m += mt;
+  }
+}
+
+template <int... MT>
+void b16_narrow(std::integer_sequence<int, MT...>, int mt, const uint8_t* pw, int64_t nb, const uint32_t* xi,
+                float* out) {
+  ((mt == MT + 1 ? group_b16_native<MT + 1>(pw, nb, xi, out, kGroup) : void()), ...);
+}
+
+// Native bf16 weights: each group over the rows in the tiles of `for_b16_tiles`, as `interleave_tiles` wrote them.
+void group_range_b16(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  float out[kB16MaxTile * kGroup];
+  const int64_t nb = g.K / kBlock;
+  for (int64_t grp = g0; grp < g1; ++grp) {
+    const uint8_t* pw = g.pw + grp * nb * kB16Bytes;
+    for_b16_tiles(m0, m1, g.K, [&](int64_t m, int mt, int64_t off) {
+      if (mt >= kB16Wide) {
+        group_b16_wide(pw, nb, g.xi + off, mt, out, kGroup);
+      } else {
+        b16_narrow(std::make_integer_sequence<int, kB16Wide - 1>{}, mt, pw, nb, g.xi + off, out);
+      }
+      store_tile(g, grp * kGroup, kGroup, m, mt, out, kGroup);
+    });
+  }
+}
+#endif
+
+// Rows [m0, m1) of bf16 xb as the native tiles read them (`for_b16_tiles`).
+void interleave_tiles(const uint16_t* xb, int64_t K, int64_t m0, int64_t m1, uint32_t* xi) {
+#if CS_B16_NATIVE
+  for_b16_tiles(m0, m1, K, [&](int64_t m, int mt, int64_t off) { interleave_b16(xb + m * K, K, mt, xi + off); });
+#else
+  (void)xb, (void)K, (void)m0, (void)m1, (void)xi;
+#endif
+}
+
 // Row groups [g0, g1) for activation rows [m0, m1): 4 activation rows (8 for bf16 weights) share each
 // unpacked weight vector.
 void group_range(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+#if CS_B16_NATIVE
+  if (g.wtype == 2) return group_range_b16(g, g0, g1, m0, m1);
+#endif
   float out[8 * kGroup];
   for (int64_t grp = g0; grp < g1; ++grp) {
     for (int64_t m = m0; m < m1;) {
@@ -229,20 +299,8 @@ void group_range(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) 
       } else {
         group_rows<1>(g, grp, m, out);
       }
-      const int64_t n0 = grp * kGroup, rows = g.N - n0 < kGroup ? g.N - n0 : kGroup;
-      for (int64_t i = 0; i < mt; ++i, ++m) {
-        for (int64_t r = 0; r < rows; ++r) {
-          float v = out[i * kGroup + r];
-          if (g.bias != nullptr) v += load_x(g.bias, g.ydtype, n0 + r);
-          if (g.ydtype == 0) {
-            float* y = static_cast<float*>(g.y) + m * g.ldy + n0 + r;
-            *y = g.accumulate ? *y + v : v;
-          } else {
-            uint16_t* y = static_cast<uint16_t*>(g.y) + m * g.ldy + n0 + r;
-            *y = f_to_bf16(g.accumulate ? bf16_to_f(*y) + round_to(1, v) : v);  // ATen: y + round(v)
-          }
-        }
-      }
+      store_tile(g, grp * kGroup, kGroup, m, mt, out, kGroup);
+      m += mt;
     }
   }
 }
@@ -315,8 +373,20 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   int8_t* xq = qbuf.data();
   float *xa = fbuf.data(), *xs = fbuf.data() + M * nb;
   uint16_t* xb = reinterpret_cast<uint16_t*>(xq);
-  Args g{w->wtype, static_cast<const uint8_t*>(w->packed), N, K, M, xq, xb, xa, xs, y, w->ydtype, ldy, w->bias,
+  thread_local std::vector<uint32_t> ibuf;  // native bf16 tiles: xb interleaved (b16.h)
+  const bool interleave = w->wtype == 2 && CS_B16_NATIVE;
+#if CS_B16_NATIVE
+  const int64_t ibuf_words = (M + kTileM - 1) / kTileM * (kTileM + kB16MaxTile) * (K / 2);  // `for_b16_tiles`
+#else
+  const int64_t ibuf_words = 0;
+#endif
+  if (interleave && static_cast<int64_t>(ibuf.size()) < ibuf_words) ibuf.resize(ibuf_words);
+  uint32_t* xi = interleave ? ibuf.data() : nullptr;
+  Args g{w->wtype, static_cast<const uint8_t*>(w->packed), N, K, M, xq, xb, xi, xa, xs, y, w->ydtype, ldy, w->bias,
          accumulate != 0};
+  auto interleave_all = [&]() {  // in the row pieces `work` and the threads use
+    for (int64_t m0 = 0; m0 < M; m0 += kTileM) interleave_tiles(xb, K, m0, m0 + kTileM < M ? m0 + kTileM : M, xi);
+  };
   const int64_t units = (N + kGroup - 1) / kGroup;
   if (nthreads < 1) nthreads = 1;
   if (nthreads > units) nthreads = static_cast<int>(units);
@@ -344,6 +414,7 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   };
   if (nthreads == 1) {  // no parallel region to enter (and wait on) for small calls
     for (int64_t m = 0; m < M; ++m) quantize(m);
+    if (interleave) interleave_all();
     work();
     for (int64_t m = 0; m < (rope_cols > 0 ? M : 0); ++m) rope(m);
     return 0;
@@ -352,6 +423,10 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) quantize(m);
+    if (interleave) {
+#pragma omp single
+      interleave_all();
+    }
     // row groups in pieces taken as threads come free: a thread the OS preempts (a served engine shares its cores
     // with the event loop, ingress and proxy) holds up only the piece it holds, not a fixed share of the call
     const int64_t pieces = units < 4 * nthreads ? units : 4 * nthreads;
