@@ -35,55 +35,91 @@ inline __m512bh loadp(const uint32_t* p) { return as_bh(_mm512_loadu_si512(p)); 
 // 16 fp32 -> 16 bf16 (nearest even) widened to the low halves of 16 32-bit lanes
 inline __m512i lo_half(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
 
-// st[t * MB + x] = scale * q_x . k_t for nt keys; qp [d/2, MB] pairs, kc: nt bf16 rows of d (d even).
-template <int MB, int KU>
+// st[t * MB + x] = scale * q_x . k_t for nt keys; qp [d/2, MB] pairs, kc: nt bf16 rows of d (d even). Only the
+// first NF vectors of rows, and with H the next 8 rows in a half vector, are computed (a run's last row block
+// holds fewer than MB rows: 8 chats of a 3-head group are 24 rows of a 32-row block); the other lanes of st
+// keep what they held.
+template <int MB, int KU, int NF, bool H>
 __attribute__((noinline)) void scores_pairs(const uint32_t* qp, const uint16_t* kc, int64_t nt, int64_t d,
                                             float scale, float* st) {
-  constexpr int NV = MB / 16;
+  static_assert(NF * 16 + (H ? 8 : 0) <= MB && NF >= 0, "the computed rows must fit the block");
   const int64_t dh = d / 2;
   const __m512 sc = _mm512_set1_ps(scale);
   int64_t t = 0;
   for (; t + KU <= nt; t += KU) {
-    __m512 a[KU][NV];
+    __m512 a[KU][NF > 0 ? NF : 1];
+    __m256 ah[KU];
 #pragma GCC unroll 8
-    for (int u = 0; u < KU; ++u)
+    for (int u = 0; u < KU; ++u) {
 #pragma GCC unroll 3
-      for (int v = 0; v < NV; ++v) a[u][v] = _mm512_setzero_ps();
+      for (int v = 0; v < NF; ++v) a[u][v] = _mm512_setzero_ps();
+      if constexpr (H) ah[u] = _mm256_setzero_ps();
+    }
     const uint32_t* kr = reinterpret_cast<const uint32_t*>(kc + t * d);  // key t + u, pair i: kr[u * dh + i]
     if (t + 2 * KU <= nt)  // the next tile's keys into L1
       for (int64_t off = 0; off < KU * d * 2; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(kr) + KU * d * 2 + off, 0, 3);
     for (int64_t i = 0; i < dh; ++i) {
-      __m512bh q[NV];
+      __m512bh q[NF > 0 ? NF : 1];
+      __m256bh qh;
 #pragma GCC unroll 3
-      for (int v = 0; v < NV; ++v) q[v] = loadp(qp + i * MB + v * 16);
+      for (int v = 0; v < NF; ++v) q[v] = loadp(qp + i * MB + v * 16);
+      if constexpr (H) qh = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + i * MB + NF * 16));
 #pragma GCC unroll 8
       for (int u = 0; u < KU; ++u) {
         const __m512bh kb = bcast(kr + u * dh + i);
 #pragma GCC unroll 3
-        for (int v = 0; v < NV; ++v) a[u][v] = _mm512_dpbf16_ps(a[u][v], q[v], kb);
+        for (int v = 0; v < NF; ++v) a[u][v] = _mm512_dpbf16_ps(a[u][v], q[v], kb);
+        if constexpr (H) ah[u] = _mm256_dpbf16_ps(ah[u], qh, (__m256bh)_mm512_castsi512_si256((__m512i)kb));
       }
     }
 #pragma GCC unroll 8
-    for (int u = 0; u < KU; ++u)
+    for (int u = 0; u < KU; ++u) {
 #pragma GCC unroll 3
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + (t + u) * MB + v * 16, _mm512_mul_ps(a[u][v], sc));
+      for (int v = 0; v < NF; ++v) _mm512_storeu_ps(st + (t + u) * MB + v * 16, _mm512_mul_ps(a[u][v], sc));
+      if constexpr (H) _mm256_storeu_ps(st + (t + u) * MB + NF * 16, _mm256_mul_ps(ah[u], _mm512_castps512_ps256(sc)));
+    }
   }
   for (; t < nt; ++t) {
-    __m512 a[NV];
-    for (int v = 0; v < NV; ++v) a[v] = _mm512_setzero_ps();
+    __m512 a[NF > 0 ? NF : 1];
+    __m256 ah = _mm256_setzero_ps();
+    for (int v = 0; v < NF; ++v) a[v] = _mm512_setzero_ps();
     const uint32_t* kr = reinterpret_cast<const uint32_t*>(kc + t * d);
     for (int64_t i = 0; i < dh; ++i) {
       const __m512bh kb = bcast(kr + i);
-      for (int v = 0; v < NV; ++v) a[v] = _mm512_dpbf16_ps(a[v], loadp(qp + i * MB + v * 16), kb);
+      for (int v = 0; v < NF; ++v) a[v] = _mm512_dpbf16_ps(a[v], loadp(qp + i * MB + v * 16), kb);
+      if constexpr (H)
+        ah = _mm256_dpbf16_ps(ah, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + i * MB + NF * 16)),
+                              (__m256bh)_mm512_castsi512_si256((__m512i)kb));
     }
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + t * MB + v * 16, _mm512_mul_ps(a[v], sc));
+    for (int v = 0; v < NF; ++v) _mm512_storeu_ps(st + t * MB + v * 16, _mm512_mul_ps(a[v], sc));
+    if constexpr (H) _mm256_storeu_ps(st + t * MB + NF * 16, _mm256_mul_ps(ah, _mm512_castps512_ps256(sc)));
   }
 }
 
-// acc [MB, d] += P V with pp [np, MB] and vp [np, d] pairs (np = ceil(nt / 2)); d % 16 == 0.
+// The scores of a row block's first `rows` rows (`scores_pairs` over the fewest vectors that cover them).
+template <int MB, int KU>
+inline void scores_rows(int64_t rows, const uint32_t* qp, const uint16_t* kc, int64_t nt, int64_t d, float scale,
+                        float* st) {
+  if constexpr (MB == 32) {
+    if (rows <= 16) return scores_pairs<32, KU, 1, false>(qp, kc, nt, d, scale, st);
+    if (rows <= 24) return scores_pairs<32, KU, 1, true>(qp, kc, nt, d, scale, st);
+    return scores_pairs<32, KU, 2, false>(qp, kc, nt, d, scale, st);
+  } else {
+    static_assert(MB == 48, "row blocks of 2 or 3 vectors");
+    if (rows <= 16) return scores_pairs<48, KU, 1, false>(qp, kc, nt, d, scale, st);
+    if (rows <= 24) return scores_pairs<48, KU, 1, true>(qp, kc, nt, d, scale, st);
+    if (rows <= 32) return scores_pairs<48, KU, 2, false>(qp, kc, nt, d, scale, st);
+    if (rows <= 40) return scores_pairs<48, KU, 2, true>(qp, kc, nt, d, scale, st);
+    return scores_pairs<48, KU, 3, false>(qp, kc, nt, d, scale, st);
+  }
+}
+
+// acc [MB, d] += P V with pp [np, MB] and vp [np, d] pairs (np = ceil(nt / 2)); d % 16 == 0. Only the row tiles
+// that hold the block's first `rows` rows.
 template <int MB, int RU>
-__attribute__((noinline)) void pv_pairs(const uint32_t* pp, const uint32_t* vp, int64_t np, int64_t d, float* acc) {
-  for (int64_t x = 0; x < MB; x += RU) {
+__attribute__((noinline)) void pv_pairs(const uint32_t* pp, const uint32_t* vp, int64_t np, int64_t d, float* acc,
+                                        int64_t rows) {
+  for (int64_t x = 0; x < rows; x += RU) {
     float* o = acc + x * d;  // row x + u at o[u * d]
     int64_t jd = 0;
     for (; jd + 32 <= d; jd += 32) {
@@ -175,8 +211,8 @@ inline cs::vf exp_pairs(const float* st, int64_t nt, int64_t o, cs::vf mn, uint3
 }  // namespace cs_dp
 #else
 namespace cs_dp {  // declarations only: the callers' discarded `if constexpr` branches name them
-template <int MB, int KU> void scores_pairs(const uint32_t*, const uint16_t*, int64_t, int64_t, float, float*);
-template <int MB, int RU> void pv_pairs(const uint32_t*, const uint32_t*, int64_t, int64_t, float*);
+template <int MB, int KU> void scores_rows(int64_t, const uint32_t*, const uint16_t*, int64_t, int64_t, float, float*);
+template <int MB, int RU> void pv_pairs(const uint32_t*, const uint32_t*, int64_t, int64_t, float*, int64_t);
 void pack_values(const uint16_t*, int64_t, int64_t, uint32_t*);
 template <int MB> cs::vf exp_pairs(const float*, int64_t, int64_t, cs::vf, uint32_t*);
 }  // namespace cs_dp

@@ -29,7 +29,7 @@
 namespace {
 
 using cs::kW, cs::vf;
-using cs_dp::exp_pairs, cs_dp::pack_values, cs_dp::pv_pairs, cs_dp::scores_pairs;
+using cs_dp::exp_pairs, cs_dp::pack_values, cs_dp::pv_pairs, cs_dp::scores_rows;
 using cs_tiles::pv, cs_tiles::scores, cs_tiles::Tile;
 
 struct RunArgs {
@@ -215,16 +215,21 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
       vc = as_f32(vbase + ch * a.cs, nt * d, w.vf_);
     }
     for (int64_t rb = 0; rb < nrb; ++rb) {
+      // the block's rows (the last block of a run may hold fewer than MB); the bf16 pair path computes only the
+      // vectors and P@V row tiles that hold them (the other lanes' m, l and acc are never written out)
+      const int64_t rows = std::min<int64_t>(MB, M - rb * MB);
+      const int64_t ru = kPairs<T> ? (rows + kPairRU<NV> - 1) / kPairRU<NV> * kPairRU<NV> : MB;
+      const int64_t nvu = (ru + kW - 1) / kW;  // the softmax's vectors: every P@V row tile's probabilities
       if constexpr (kPairs<T>)
-        scores_pairs<MB, kPairKU<NV>>(qp + rb * d / 2 * MB, reinterpret_cast<const uint16_t*>(kbase + ch * a.cs),
-                                       nt, d, a.qscale, st);
+        scores_rows<MB, kPairKU<NV>>(rows, qp + rb * d / 2 * MB, reinterpret_cast<const uint16_t*>(kbase + ch * a.cs),
+                                      nt, d, a.qscale, st);
       else
         scores<NV>(qt + rb * d * MB, kc, nt, d, st);
       float* mr = m + rb * MB;
       float* lr = l + rb * MB;
       float* ar = acc + rb * MB * d;
       alignas(64) float alpha[MB];
-      for (int v = 0; v < NV; ++v) {
+      for (int v = 0; v < nvu; ++v) {
         const int64_t o = v * kW;
         vf mx = cs::load(st + o);
         for (int64_t t = 1; t < nt; ++t) mx = cs::vmax(mx, cs::load(st + t * MB + o));
@@ -244,14 +249,14 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
         cs::store(mr + o, mn);
         cs::store(alpha + o, al);
       }
-      for (int64_t x = 0; x < MB; ++x) {
+      for (int64_t x = 0; x < ru; ++x) {
         if (alpha[x] == 1.f) continue;
         float* ox = ar + x * d;
         const vf av = cs::splat(alpha[x]);
         for (int64_t jd = 0; jd < d; jd += kW) cs::store(ox + jd, cs::load(ox + jd) * av);
       }
       if constexpr (kPairs<T>) {
-        pv_pairs<MB, kPairRU<NV>>(w.pp.data(), w.vp.data(), (nt + 1) / 2, d, ar);
+        pv_pairs<MB, kPairRU<NV>>(w.pp.data(), w.vp.data(), (nt + 1) / 2, d, ar, ru);
       } else {
         pv<NV>(st, vc, nt, d, ar);
       }

@@ -31,10 +31,11 @@ def _fill(gen, k, v, chunks: list[int], tokens: list[int]) -> None:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("b,hkv,g", [(32, 3, 3), (32, 2, 1), (11, 2, 3), (5, 1, 4)])
+@pytest.mark.parametrize("b,hkv,g", [(32, 3, 3), (32, 2, 1), (11, 2, 3), (5, 1, 4), (19, 1, 4), (22, 1, 4)])
 def test_nested_runs_match_float64_references_and_leave_other_rows_alone(check, threads, dtype, b, hkv, g):
     """Rows [0, b) share a long run, a nested run covers a middle slice, a third run two rows; the
-    row counts exercise both tiles (M a multiple of 2 or of 3 vectors) and a ragged last row block."""
+    row counts exercise both tiles (M a multiple of 2 or of 3 vectors) and a ragged last row block (the bf16 pair
+    path computes a block's rows in 1, 1.5, 2 or 2.5 vectors of 3: blocks of 40 and 28 rows with b = 22, 19)."""
     gen = torch.Generator().manual_seed(b * 100 + hkv * 10 + g)
     d, c = 64, 16
     k_pool, v_pool = _pools(gen, hkv, 64, c, d, dtype)
