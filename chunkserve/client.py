@@ -130,11 +130,11 @@ def build_request(prompt: str | None = None, messages: Sequence[dict[str, str]] 
                   prompt_token_ids: Sequence[int] | None = None, model: str = "",
                   max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                   top_k: int | None = None, seed: int | None = None, stop: Sequence[str] | str = (),
-                  user: str = "", request_id: str = "") -> pb.GenerateRequest:
+                  user: str = "", request_id: str = "", ignore_eos: bool | None = None) -> pb.GenerateRequest:
     """A ``chunkserve.v1.GenerateRequest`` (give exactly one of prompt, messages, prompt_token_ids)."""
     sp = pb.SamplingParams(stop=[stop] if isinstance(stop, str) else list(stop))
     for name, v in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                    ("top_k", top_k), ("seed", seed)):
+                    ("top_k", top_k), ("seed", seed), ("ignore_eos", ignore_eos)):
         if v is not None:
             setattr(sp, name, v)
     req = pb.GenerateRequest(model=model, sampling=sp, user=user, request_id=request_id,

@@ -125,6 +125,8 @@ def to_openai_request(ingress: Ingress, msg: pb.GenerateRequest, stream: bool
         fields["seed"] = s.seed
     if len(s.stop):
         fields["stop"] = list(s.stop)
+    if s.HasField("ignore_eos"):
+        fields["ignore_eos"] = s.ignore_eos
     if msg.user:
         fields["user"] = msg.user
     try:

@@ -214,7 +214,7 @@ class Ingress(GrpcServiceMixin):
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else float(req.temperature),
                 top_p=1.0 if req.top_p is None else float(req.top_p),
-                top_k=top_k, seed=req.seed, stop=req.stop_list())
+                top_k=top_k, seed=req.seed, stop=req.stop_list(), ignore_eos=bool(req.ignore_eos))
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from None
 

@@ -100,6 +100,7 @@ class _SamplingFields(_Strict):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # extension; 0 or -1 = off
+    ignore_eos: bool | None = None  # extension (vLLM, llama.cpp): generate max_tokens tokens past end-of-sequence
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     n: int | None = 1

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests-per-tenant", type=int, default=8)
     ap.add_argument("--system-tokens", type=int, default=1000, help="system prompt length (tokens of its text)")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="send ignore_eos (vLLM's and llama.cpp's extension, chunkserve's too) to every endpoint: "
+                    "each request generates --max-tokens tokens, so servers whose greedy paths differ do the same work")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--rate", type=float, default=float("inf"), help="arrivals per second (Poisson); inf = at once")
@@ -216,11 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         "tool": "chunkserve bench serve", "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"cpu": procs.cpu_model(), "cores": os.cpu_count(), "load_avg_start": os.getloadavg()},
         "workload": workload.describe(spec, count, chats), "sampling": dataclasses.asdict(sampling),
+        "ignore_eos": args.ignore_eos,
         "passes": args.passes, "single_runs": args.single, "endpoints": {}}
     print(f"workload: {json.dumps(results['workload'])}", flush=True)
     failed = False
     for name, url in endpoints.items():
-        plan = Plan(chats, workload.single_request(salt), dataclasses.replace(sampling, extra_body=extra.get(name, {})),
+        body = {**({"ignore_eos": True} if args.ignore_eos else {}), **extra.get(name, {})}
+        plan = Plan(chats, workload.single_request(salt), dataclasses.replace(sampling, extra_body=body),
                     args.passes, args.single, keys, args.max_concurrency, args.request_timeout,
                     args.engine_clock_wait)
         try:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63hunkserve/v1/generate.proto\x12\rchunkserve.v1\")\n\x0c\x43\x61\x63heControl\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0b\n\x03ttl\x18\x02 \x01(\t\"w\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x37\n\rcache_control\x18\x03 \x01(\x0b\x32\x1b.chunkserve.v1.CacheControlH\x00\x88\x01\x01\x42\x10\n\x0e_cache_control\"\xc8\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xdb\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.chunkserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.chunkserve.v1.SamplingParams\x12\x0c\n\x04user\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\t\n\x07_prompt\"\x85\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x63\x61\x63he_creation_tokens\x18\x05 \x01(\r\"\x92\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.chunkserve.v1.Usage\"\x89\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.chunkserve.v1.Usage2\xb4\x01\n\nChunkServe\x12K\n\x08Generate\x12\x1e.chunkserve.v1.GenerateRequest\x1a\x1f.chunkserve.v1.GenerateResponse\x12Y\n\x0eGenerateStream\x12\x1e.chunkserve.v1.GenerateRequest\x1a%.chunkserve.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63hunkserve/v1/generate.proto\x12\rchunkserve.v1\")\n\x0c\x43\x61\x63heControl\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0b\n\x03ttl\x18\x02 \x01(\t\"w\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x37\n\rcache_control\x18\x03 \x01(\x0b\x32\x1b.chunkserve.v1.CacheControlH\x00\x88\x01\x01\x42\x10\n\x0e_cache_control\"\xf0\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x17\n\nignore_eos\x18\x07 \x01(\x08H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eos\"\xdb\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.chunkserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.chunkserve.v1.SamplingParams\x12\x0c\n\x04user\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\t\n\x07_prompt\"\x85\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x63\x61\x63he_creation_tokens\x18\x05 \x01(\r\"\x92\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.chunkserve.v1.Usage\"\x89\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.chunkserve.v1.Usage2\xb4\x01\n\nChunkServe\x12K\n\x08Generate\x12\x1e.chunkserve.v1.GenerateRequest\x1a\x1f.chunkserve.v1.GenerateResponse\x12Y\n\x0eGenerateStream\x12\x1e.chunkserve.v1.GenerateRequest\x1a%.chunkserve.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=90
   _globals['_CHATMESSAGE']._serialized_end=209
   _globals['_SAMPLINGPARAMS']._serialized_start=212
-  _globals['_SAMPLINGPARAMS']._serialized_end=412
-  _globals['_GENERATEREQUEST']._serialized_start=415
-  _globals['_GENERATEREQUEST']._serialized_end=634
-  _globals['_USAGE']._serialized_start=637
-  _globals['_USAGE']._serialized_end=770
-  _globals['_GENERATERESPONSE']._serialized_start=773
-  _globals['_GENERATERESPONSE']._serialized_end=919
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=922
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1059
-  _globals['_CHUNKSERVE']._serialized_start=1062
-  _globals['_CHUNKSERVE']._serialized_end=1242
+  _globals['_SAMPLINGPARAMS']._serialized_end=452
+  _globals['_GENERATEREQUEST']._serialized_start=455
+  _globals['_GENERATEREQUEST']._serialized_end=674
+  _globals['_USAGE']._serialized_start=677
+  _globals['_USAGE']._serialized_end=810
+  _globals['_GENERATERESPONSE']._serialized_start=813
+  _globals['_GENERATERESPONSE']._serialized_end=959
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=962
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1099
+  _globals['_CHUNKSERVE']._serialized_start=1102
+  _globals['_CHUNKSERVE']._serialized_end=1282
 # @@protoc_insertion_point(module_scope)

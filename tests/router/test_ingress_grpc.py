@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from chunkserve.router.grpc_service import to_openai_request
 from chunkserve.router.local_server import LocalServer, local_ingress
 from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants
 from chunkserve.v1 import generate_pb2 as pb
@@ -64,6 +65,13 @@ def test_unary_generate_returns_text_tokens_and_usage(stub):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     r2 = stub.Generate(req(prompt_token_ids=[5, 6, 7, 8], request_id="mine"), metadata=md(), timeout=60)
     assert r2.request_id == "mine" and r2.usage.prompt_tokens == 4 and r2.model == MODEL
+
+
+def test_ignore_eos_reaches_the_engines_sampling_params_only_when_set(server):
+    for sampling, want in (({"max_tokens": 5, "ignore_eos": True}, True), ({"max_tokens": 5}, False),
+                           ({"max_tokens": 5, "ignore_eos": False}, False)):
+        api = to_openai_request(server.ingress, req(prompt="x", sampling=sampling), stream=False)
+        assert server.ingress._sampling(api, n_prompt=3).ignore_eos is want, sampling
 
 
 def test_stream_concatenates_to_the_unary_result_and_ends_with_usage(stub):

@@ -13,6 +13,7 @@ import pytest
 
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.router.local_server import LocalServer, local_ingress
+from chunkserve.router.openai_api import ChatCompletionRequest, parse_request
 from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants
 from chunkserve.workers.engine import EngineConfig
 
@@ -54,6 +55,13 @@ def chat(server: LocalServer, tenant: str, user: str, system: str = SYSTEM, **kw
     return client(server, tenant).chat.completions.create(
         model=MODEL, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
         max_tokens=kw.pop("max_tokens", 4), temperature=0, **kw)
+
+
+def test_ignore_eos_reaches_the_engines_sampling_params_only_when_set(server):
+    for extra, want in (({"ignore_eos": True}, True), ({}, False), ({"ignore_eos": None}, False)):
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 5, **extra})
+        req = parse_request(body.encode(), ChatCompletionRequest, 1 << 20)
+        assert server.ingress._sampling(req, n_prompt=3).ignore_eos is want, extra
 
 
 def test_models_lists_the_served_model(server):

@@ -38,9 +38,9 @@ def _err(body: bytes, cls=ChatCompletionRequest, limit: int = LIMIT) -> APIError
 
 def test_valid_chat_request_parses_with_all_parameters():
     req = parse_request(_chat(max_tokens=5, max_completion_tokens=7, temperature=0, top_p=0.5, top_k=3,
-                              stop=["x", "y"], seed=42, n=1, user="u", stream=True,
+                              stop=["x", "y"], seed=42, n=1, user="u", stream=True, ignore_eos=True,
                               stream_options={"include_usage": True}), ChatCompletionRequest, LIMIT)
-    assert req.requested_max_tokens() == 7 and req.temperature == 0.0 and req.top_k == 3
+    assert req.requested_max_tokens() == 7 and req.temperature == 0.0 and req.top_k == 3 and req.ignore_eos
     assert req.stop_list() == ("x", "y") and req.include_usage and req.seed == 42
 
 
@@ -82,6 +82,8 @@ def test_content_parts_and_developer_role_are_flattened_for_the_template():
     (_chat(stop=["a", "b", "c", "d", "e"]), "stop"),
     (_chat(seed=2**70), "seed"),
     (_chat(stream="yes"), "stream"),
+    (_chat(ignore_eos="yes"), "ignore_eos"),
+    (_chat(ignore_eos=1), "ignore_eos"),
     (_chat(logprobs=True), "logprobs"),
     (_chat(presence_penalty=0.5), "presence_penalty"),
     (_chat(unknown_field=1), "unknown_field"),

@@ -76,6 +76,29 @@ def test_bench_serve_reports_throughput_latency_and_cached_tokens(server: LocalS
     assert "engine threads" in report.engine_table(res)
 
 
+def test_ignore_eos_is_sent_to_every_endpoint_and_recorded(server: LocalServer, tokenizer: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bool] = []
+    real = server.ingress._sampling
+
+    def spy(req, n_prompt):
+        params = real(req, n_prompt)
+        seen.append(params.ignore_eos)
+        return params
+
+    monkeypatch.setattr(server.ingress, "_sampling", spy)
+    out = tmp_path / "eos.json"
+    argv = ["--tokenizer", tokenizer, "--endpoint", f"local={server.http_url}/v1", "--tenants", "1",
+            "--requests-per-tenant", "2", "--system-tokens", "20", "--max-tokens", "3", "--passes", "1",
+            "--single", "0", "--engine-clock-wait", "0", "--no-plot", "--json", str(out)]
+    assert bench_serve.main([*argv, "--ignore-eos"]) == 0
+    # the two chats carry it (a warm-up request before them may not)
+    assert seen.count(True) == 2 and json.loads(out.read_text())["ignore_eos"] is True
+    seen.clear()
+    assert bench_serve.main(argv) == 0
+    assert len(seen) >= 2 and True not in seen and json.loads(out.read_text())["ignore_eos"] is False
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--endpoint", "localhost:8000"], "must start with http"),
     (["--endpoint", "a=http://x", "--launch", "b=true"], "not endpoints"),
