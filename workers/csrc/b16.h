@@ -12,6 +12,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "qact.h"
 
@@ -133,6 +134,50 @@ inline void group_b16_wide(const uint8_t* pw, int64_t nb, const uint32_t* xi, in
   for (int r = 0; r < 8; ++r) _mm512_store_ps(t[r], _mm512_add_ps(acc[r][0], acc[r][1]));
   for (int m = 0; m < mt; ++m)
     for (int r = 0; r < 8; ++r) out[m * ldo + r] = t[r][m];
+}
+
+// The native tiles of rows [m0, m1), a piece of at most `piece` rows starting at a multiple of it, in order:
+// fn(m, mt, xi offset in words). Each piece's interleaved rows start at their own slot, padding included.
+template <class F>
+void for_b16_tiles(int64_t m0, int64_t m1, int64_t K, int64_t piece, F fn) {
+  int64_t off = m0 / piece * (piece + kB16MaxTile) * (K / 2);
+  for (int64_t m = m0; m < m1;) {
+    const int mt = b16_tile_rows(m1 - m);
+    fn(m, mt, off);
+    off += b16_slots(mt) * (K / 2);
+    m += mt;
+  }
+}
+
+// Words of interleaved activations for M rows in pieces of `piece` (`for_b16_tiles`).
+constexpr int64_t b16_interleaved_words(int64_t M, int64_t K, int64_t piece) {
+  return (M + piece - 1) / piece * (piece + kB16MaxTile) * (K / 2);
+}
+
+// Rows [m0, m1) of bf16 x (row stride K) interleaved tile by tile into xi.
+inline void interleave_b16_tiles(const uint16_t* x, int64_t K, int64_t m0, int64_t m1, int64_t piece, uint32_t* xi) {
+  for_b16_tiles(m0, m1, K, piece, [&](int64_t m, int mt, int64_t off) { interleave_b16(x + m * K, K, mt, xi + off); });
+}
+
+template <int... MT>
+void b16_narrow(std::integer_sequence<int, MT...>, int mt, const uint8_t* pw, int64_t nb, const uint32_t* xi,
+                float* out) {
+  ((mt == MT + 1 ? group_b16_native<MT + 1>(pw, nb, xi, out, 8) : void()), ...);
+}
+
+// One group (pw: its nb blocks) over rows [m0, m1) of the interleaved activations xi: each tile's outputs go to
+// out[m * 8 + r] (m < mt), then store(m, mt) for the tile's first row m.
+template <class Store>
+void b16_tiles(const uint8_t* pw, int64_t nb, const uint32_t* xi, int64_t K, int64_t m0, int64_t m1, int64_t piece,
+               float* out, Store store) {
+  for_b16_tiles(m0, m1, K, piece, [&](int64_t m, int mt, int64_t off) {
+    if (mt >= kB16Wide) {
+      group_b16_wide(pw, nb, xi + off, mt, out, 8);
+    } else {
+      b16_narrow(std::make_integer_sequence<int, kB16Wide - 1>{}, mt, pw, nb, xi + off, out);
+    }
+    store(m, mt);
+  });
 }
 #endif
 

@@ -20,7 +20,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <utility>
 #include <vector>
 
 #include "b16.h"
@@ -141,50 +140,7 @@ void group_q8(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const 
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
 }
 #else
-template <int MT>
-void group_q4(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const float* xa, const float* xs,
-              float* out, int64_t ldo) {
-  float acc[MT][kGroup] = {};
-  for (int64_t b = 0; b < nb; ++b, pw += kQ4Bytes) {
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* x = xq + m * K + b * kBlock;
-      for (int r = 0; r < kGroup; ++r) {
-        int32_t dot = 0;
-        for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < 4; ++j) {
-            const uint8_t w = pw[32 * i + 4 * r + j];
-            dot += (w & 0x0f) * x[4 * i + j] + (w >> 4) * x[16 + 4 * i + j];
-          }
-        const float d = fp16_to_f(reinterpret_cast<const uint16_t*>(pw + 128)[r]);
-        const float mn = fp16_to_f(reinterpret_cast<const uint16_t*>(pw + 144)[r]);
-        acc[m][r] = std::fma(static_cast<float>(dot), d * xa[m * nb + b], acc[m][r]);
-        acc[m][r] = std::fma(mn, xs[m * nb + b], acc[m][r]);
-      }
-    }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < kGroup; ++r) out[m * ldo + r] = acc[m][r];
-}
-
-template <int MT>
-void group_q8(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const float* xa, const float* /*xsum*/,
-              float* out, int64_t ldo) {
-  float acc[MT][kGroup] = {};
-  for (int64_t b = 0; b < nb; ++b, pw += kQ8Bytes) {
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* x = xq + m * K + b * kBlock;
-      for (int r = 0; r < kGroup; ++r) {
-        int32_t dot = 0;
-        for (int i = 0; i < 8; ++i)
-          for (int j = 0; j < 4; ++j) dot += (static_cast<int32_t>(pw[32 * i + 4 * r + j]) - 128) * x[4 * i + j];
-        const float d = fp16_to_f(reinterpret_cast<const uint16_t*>(pw + 256)[r]);
-        acc[m][r] = std::fma(static_cast<float>(dot), d * xa[m * nb + b], acc[m][r]);
-      }
-    }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < kGroup; ++r) out[m * ldo + r] = acc[m][r];
-}
+#include "qscalar.h"  // the same integer sums and fused multiply-adds in a scalar loop
 #endif
 
 struct Args {
@@ -234,47 +190,21 @@ void store_tile(const Args& g, int64_t n0, int64_t width, int64_t m, int64_t mt,
 }
 
 #if CS_B16_NATIVE
-// The native tiles of rows [m0, m1) (a piece of at most kTileM rows starting at a multiple of it), in order:
-// fn(m, mt, xi offset in words). Each piece's interleaved rows start at its own slot, padding included.
-template <class F>
-void for_b16_tiles(int64_t m0, int64_t m1, int64_t K, F fn) {
-  int64_t off = m0 / kTileM * (kTileM + kB16MaxTile) * (K / 2);
-  for (int64_t m = m0; m < m1;) {
-    const int mt = b16_tile_rows(m1 - m);
-    fn(m, mt, off);
-    off += b16_slots(mt) * (K / 2);
-    m += mt;
-  }
-}
-
-template <int... MT>
-void b16_narrow(std::integer_sequence<int, MT...>, int mt, const uint8_t* pw, int64_t nb, const uint32_t* xi,
-                float* out) {
-  ((mt == MT + 1 ? group_b16_native<MT + 1>(pw, nb, xi, out, kGroup) : void()), ...);
-}
-
-// Native bf16 weights: each group over the rows in the tiles of `for_b16_tiles`, as `interleave_tiles` wrote them.
+// Native bf16 weights: each group over the rows in the tiles of `b16_tiles` (b16.h), then the epilogue.
 void group_range_b16(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
   float out[kB16MaxTile * kGroup];
   const int64_t nb = g.K / kBlock;
-  for (int64_t grp = g0; grp < g1; ++grp) {
-    const uint8_t* pw = g.pw + grp * nb * kB16Bytes;
-    for_b16_tiles(m0, m1, g.K, [&](int64_t m, int mt, int64_t off) {
-      if (mt >= kB16Wide) {
-        group_b16_wide(pw, nb, g.xi + off, mt, out, kGroup);
-      } else {
-        b16_narrow(std::make_integer_sequence<int, kB16Wide - 1>{}, mt, pw, nb, g.xi + off, out);
-      }
+  for (int64_t grp = g0; grp < g1; ++grp)
+    b16_tiles(g.pw + grp * nb * kB16Bytes, nb, g.xi, g.K, m0, m1, kTileM, out, [&](int64_t m, int mt) {
       store_tile(g, grp * kGroup, kGroup, m, mt, out, kGroup);
     });
-  }
 }
 #endif
 
-// Rows [m0, m1) of bf16 xb as the native tiles read them (`for_b16_tiles`).
+// Rows [m0, m1) of bf16 xb as the native tiles read them (`interleave_b16_tiles`, b16.h).
 void interleave_tiles(const uint16_t* xb, int64_t K, int64_t m0, int64_t m1, uint32_t* xi) {
 #if CS_B16_NATIVE
-  for_b16_tiles(m0, m1, K, [&](int64_t m, int mt, int64_t off) { interleave_b16(xb + m * K, K, mt, xi + off); });
+  interleave_b16_tiles(xb, K, m0, m1, kTileM, xi);
 #else
   (void)xb, (void)K, (void)m0, (void)m1, (void)xi;
 #endif
@@ -376,7 +306,7 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   thread_local std::vector<uint32_t> ibuf;  // native bf16 tiles: xb interleaved (b16.h)
   const bool interleave = w->wtype == 2 && CS_B16_NATIVE;
 #if CS_B16_NATIVE
-  const int64_t ibuf_words = (M + kTileM - 1) / kTileM * (kTileM + kB16MaxTile) * (K / 2);  // `for_b16_tiles`
+  const int64_t ibuf_words = b16_interleaved_words(M, K, kTileM);
 #else
   const int64_t ibuf_words = 0;
 #endif
