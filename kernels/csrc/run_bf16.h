@@ -42,12 +42,12 @@ inline __m512i lo_half(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_
 template <int MB, int KU, int NF, bool H>
 __attribute__((noinline)) void scores_pairs(const uint32_t* qp, const uint16_t* kc, int64_t nt, int64_t d,
                                             float scale, float* st) {
-  static_assert(NF * 16 + (H ? 8 : 0) <= MB && NF >= 0, "the computed rows must fit the block");
+  static_assert(NF * 16 + (H ? 8 : 0) <= MB && NF >= 1, "the computed rows must fit the block");
   const int64_t dh = d / 2;
   const __m512 sc = _mm512_set1_ps(scale);
   int64_t t = 0;
   for (; t + KU <= nt; t += KU) {
-    __m512 a[KU][NF > 0 ? NF : 1];
+    __m512 a[KU][NF];
     __m256 ah[KU];
 #pragma GCC unroll 8
     for (int u = 0; u < KU; ++u) {
@@ -59,7 +59,7 @@ __attribute__((noinline)) void scores_pairs(const uint32_t* qp, const uint16_t* 
     if (t + 2 * KU <= nt)  // the next tile's keys into L1
       for (int64_t off = 0; off < KU * d * 2; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(kr) + KU * d * 2 + off, 0, 3);
     for (int64_t i = 0; i < dh; ++i) {
-      __m512bh q[NF > 0 ? NF : 1];
+      __m512bh q[NF];
       __m256bh qh;
 #pragma GCC unroll 3
       for (int v = 0; v < NF; ++v) q[v] = loadp(qp + i * MB + v * 16);
@@ -80,7 +80,7 @@ __attribute__((noinline)) void scores_pairs(const uint32_t* qp, const uint16_t* 
     }
   }
   for (; t < nt; ++t) {
-    __m512 a[NF > 0 ? NF : 1];
+    __m512 a[NF];
     __m256 ah = _mm256_setzero_ps();
     for (int v = 0; v < NF; ++v) a[v] = _mm512_setzero_ps();
     const uint32_t* kr = reinterpret_cast<const uint32_t*>(kc + t * d);

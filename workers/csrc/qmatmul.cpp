@@ -201,17 +201,8 @@ void group_range_b16(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t 
 }
 #endif
 
-// Rows [m0, m1) of bf16 xb as the native tiles read them (`interleave_b16_tiles`, b16.h).
-void interleave_tiles(const uint16_t* xb, int64_t K, int64_t m0, int64_t m1, uint32_t* xi) {
-#if CS_B16_NATIVE
-  interleave_b16_tiles(xb, K, m0, m1, kTileM, xi);
-#else
-  (void)xb, (void)K, (void)m0, (void)m1, (void)xi;
-#endif
-}
-
-// Row groups [g0, g1) for activation rows [m0, m1): 4 activation rows (8 for bf16 weights) share each
-// unpacked weight vector.
+// Row groups [g0, g1) for activation rows [m0, m1): 4 activation rows (8 for bf16 weights without AVX512-BF16)
+// share each unpacked weight vector.
 void group_range(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
 #if CS_B16_NATIVE
   if (g.wtype == 2) return group_range_b16(g, g0, g1, m0, m1);
@@ -303,20 +294,23 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   int8_t* xq = qbuf.data();
   float *xa = fbuf.data(), *xs = fbuf.data() + M * nb;
   uint16_t* xb = reinterpret_cast<uint16_t*>(xq);
-  thread_local std::vector<uint32_t> ibuf;  // native bf16 tiles: xb interleaved (b16.h)
-  const bool interleave = w->wtype == 2 && CS_B16_NATIVE;
+  uint32_t* xi = nullptr;  // native bf16 tiles: xb interleaved, in the row pieces `work` and the threads use (b16.h)
 #if CS_B16_NATIVE
-  const int64_t ibuf_words = b16_interleaved_words(M, K, kTileM);
+  const bool interleave = w->wtype == 2;
+  thread_local std::vector<uint32_t> ibuf;
+  if (interleave && static_cast<int64_t>(ibuf.size()) < b16_interleaved_words(M, K, kTileM))
+    ibuf.resize(b16_interleaved_words(M, K, kTileM));
+  if (interleave) xi = ibuf.data();
+  auto interleave_all = [&]() {
+    for (int64_t m0 = 0; m0 < M; m0 += kTileM)
+      interleave_b16_tiles(xb, K, m0, m0 + kTileM < M ? m0 + kTileM : M, kTileM, xi);
+  };
 #else
-  const int64_t ibuf_words = 0;
+  const bool interleave = false;
+  auto interleave_all = []() {};
 #endif
-  if (interleave && static_cast<int64_t>(ibuf.size()) < ibuf_words) ibuf.resize(ibuf_words);
-  uint32_t* xi = interleave ? ibuf.data() : nullptr;
   Args g{w->wtype, static_cast<const uint8_t*>(w->packed), N, K, M, xq, xb, xi, xa, xs, y, w->ydtype, ldy, w->bias,
          accumulate != 0};
-  auto interleave_all = [&]() {  // in the row pieces `work` and the threads use
-    for (int64_t m0 = 0; m0 < M; m0 += kTileM) interleave_tiles(xb, K, m0, m0 + kTileM < M ? m0 + kTileM : M, xi);
-  };
   const int64_t units = (N + kGroup - 1) / kGroup;
   if (nthreads < 1) nthreads = 1;
   if (nthreads > units) nthreads = static_cast<int>(units);
