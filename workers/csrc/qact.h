@@ -192,4 +192,22 @@ inline void quantize_row(const float* f, int64_t K, int8_t* q, float* a, float* 
   }
 }
 
+// In-place RoPE of the first `cols` values of row y[off:] (heads of d values): v = v * c + swap_halves(v) * s.
+inline void rope_row(void* y, int ydtype, int64_t off, const void* c, const void* s, int64_t cols, int64_t d) {
+  float v[1024];
+  const int64_t half = d / 2;
+  for (int64_t h0 = 0; h0 < cols; h0 += d) {
+    for (int64_t j = 0; j < d; ++j) v[j] = load_x(y, ydtype, off + h0 + j);
+    for (int64_t j = 0; j < d; ++j) {
+      // rounded as ATen (and glue.cpp) in bf16: round(round(swap_halves(v) * s) + v * c)
+      const float r = v[j] * load_x(c, ydtype, j) + round_to(ydtype, v[j < half ? j + half : j - half] * load_x(s, ydtype, j));
+      if (ydtype == 0) {
+        static_cast<float*>(y)[off + h0 + j] = r;
+      } else {
+        static_cast<uint16_t*>(y)[off + h0 + j] = f_to_bf16(r);
+      }
+    }
+  }
+}
+
 }  // namespace csq

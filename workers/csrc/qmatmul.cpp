@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "b16.h"
+#include "q8wide.h"
 #include "qact.h"
 
 namespace {
@@ -42,106 +43,7 @@ constexpr int64_t kTileM = 64;  // activation rows per tile (64 x K int8 stays i
 constexpr int64_t kGroup = 8;
 constexpr int64_t kQ4Bytes = 160, kQ8Bytes = 272;
 
-// With AVX512-VNNI (and VL), one `vpdpbusd` (unsigned bytes x signed bytes, 4 products into each int32 lane)
-// replaces vpmaddubsw + vpaddw (+ vpmaddwd). The block sums are exact integers either way, so the outputs are
-// bitwise the same; int4 steps of 4 rows a tile run ~1.2x faster, one row about the same (memory-bound there).
-// (A 512-bit form over two row groups was tried: no faster in cache, 2x slower on weights beyond L3 on Zen 4.)
-// Q8_0 with VNNI multiplies the offset weights (q + 128) as they are stored and takes 128 * sum(x) off the block
-// sum (the activation quantiser's exact integer block sum), instead of two vpsignb a product to make the weight
-// operand unsigned; without VNNI an xor restores q for vpmaddubsw's sign trick (whose int16 pairs must not
-// saturate, as (q + 128) * x could).
-#if CS_Q_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define CS_Q_VNNI 1
-#else
-#define CS_Q_VNNI 0
-#endif
-
-#if CS_Q_AVX2
-constexpr int64_t kPrefetch = 4096;  // bytes ahead of the block being read
-
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// 8 rows of one group x MT activation rows; out[m * ldo + r].
-template <int MT>
-void group_q4(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const float* xa, const float* xs,
-              float* out, int64_t ldo) {
-  const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, pw += kQ4Bytes) {
-    _mm_prefetch(reinterpret_cast<const char*>(pw) + kPrefetch, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pw) + kPrefetch + 64, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pw) + kPrefetch + 128, _MM_HINT_T0);
-    __m256i p16[MT], q32[MT];  // VNNI: int32 sums of the low (p16) and high (q32) nibbles, two chains
-    for (int m = 0; m < MT; ++m) p16[m] = q32[m] = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + 32 * i));
-      const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
-      for (int m = 0; m < MT; ++m) {  // int16 sums stay within 8 * 2 * 15 * 127: no saturation
-        const int8_t* xb = xq + m * K + b * kBlock + 4 * i;
-#if CS_Q_VNNI
-        p16[m] = _mm256_dpbusd_epi32(p16[m], lo, bcast4(xb));
-        q32[m] = _mm256_dpbusd_epi32(q32[m], hi, bcast4(xb + 16));
-#else
-        p16[m] = _mm256_add_epi16(p16[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb)),
-                                                           _mm256_maddubs_epi16(hi, bcast4(xb + 16))));
-#endif
-      }
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 128)));
-    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 144)));
-    for (int m = 0; m < MT; ++m) {
-#if CS_Q_VNNI
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(p16[m], q32[m]));
-#else
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16[m], ones));
-#endif
-      acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xa[m * nb + b])), acc[m]);
-      acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[m * nb + b]), acc[m]);
-    }
-  }
-  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
-}
-
-template <int MT>
-void group_q8(const uint8_t* pw, int64_t nb, const int8_t* xq, int64_t K, const float* xa, const float* xsum,
-              float* out, int64_t ldo) {
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, pw += kQ8Bytes) {
-    for (int64_t c = 0; c < kQ8Bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(pw) + kPrefetch + c, _MM_HINT_T0);
-    __m256i p32[MT];
-#if CS_Q_VNNI  // sum((q + 128) x) - 128 sum(x), exact in int32
-    for (int m = 0; m < MT; ++m) p32[m] = _mm256_set1_epi32(-128 * static_cast<int32_t>(xsum[m * nb + b]));
-    for (int i = 0; i < 8; ++i) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + 32 * i));
-      for (int m = 0; m < MT; ++m) p32[m] = _mm256_dpbusd_epi32(p32[m], w, bcast4(xq + m * K + b * kBlock + 4 * i));
-    }
-#else
-    const __m256i ones = _mm256_set1_epi16(1), off = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int m = 0; m < MT; ++m) p32[m] = _mm256_setzero_si256();
-    for (int i = 0; i < 8; ++i) {
-      const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + 32 * i)), off);
-      const __m256i aw = _mm256_sign_epi8(w, w);  // |q|: vpmaddubsw needs an unsigned operand
-      for (int m = 0; m < MT; ++m) {  // one pair sum is at most 2 * 127 * 127: widen before adding
-        const __m256i xv = _mm256_sign_epi8(bcast4(xq + m * K + b * kBlock + 4 * i), w);
-        p32[m] = _mm256_add_epi32(p32[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
-      }
-    }
-#endif
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 256)));
-    for (int m = 0; m < MT; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32[m]), _mm256_mul_ps(d, _mm256_set1_ps(xa[m * nb + b])), acc[m]);
-  }
-  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
-}
-#else
-#include "qscalar.h"  // the same integer sums and fused multiply-adds in a scalar loop
-#endif
+#include "qnarrow.h"  // the narrow tiles: one group x up to 4 activation rows (AVX2, or scalar)
 
 struct Args {
   int wtype;  // 0: Q4_1, 1: Q8_0, 2: bf16 (b16.h)
@@ -152,6 +54,9 @@ struct Args {
   const uint32_t* xi;  // the same, interleaved tile by tile for the native bf16 tiles (b16.h), or null
   const float* xa;
   const float* xs;  // per row and block: a * sum(q) for Q4_1; the exact integer sum(q) for Q8_0
+  const int32_t* xw;  // Q8_0 with the wide tiles (q8wide.h): xq interleaved tile by tile, or null
+  const float* xat;  // ... and xa and the offsets -128 * sum(q) in the same order
+  const int32_t* xot;
   void* y;
   int ydtype;  // 0 fp32, 1 bf16
   int64_t ldy;
@@ -174,6 +79,15 @@ void group_rows(const Args& g, int64_t grp, int64_t m, float* out) {
 // Add bias, round and write (or accumulate) the tile's rows [m, m + mt) x outputs [n0, n0 + width) from out.
 void store_tile(const Args& g, int64_t n0, int64_t width, int64_t m, int64_t mt, const float* out, int64_t ldo) {
   const int64_t rows = g.N - n0 < width ? g.N - n0 : width;
+#if CS_Q8_WIDE
+  if (rows == 16) {  // the wide Q8_0 tiles' rows: the same arithmetic in vectors
+    const int64_t ys = g.ydtype == 0 ? 4 : 2;
+    for (int64_t i = 0; i < mt; ++i)
+      store16(out + i * ldo, g.bias == nullptr ? nullptr : static_cast<const char*>(g.bias) + n0 * ys, g.ydtype,
+              g.accumulate, static_cast<char*>(g.y) + ((m + i) * g.ldy + n0) * ys);
+    return;
+  }
+#endif
   for (int64_t i = 0; i < mt; ++i) {
     for (int64_t r = 0; r < rows; ++r) {
       float v = out[i * ldo + r];
@@ -201,11 +115,26 @@ void group_range_b16(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t 
 }
 #endif
 
+#if CS_Q8_WIDE
+// Q8_0 over interleaved rows: pairs of groups in the wide tiles; returns the group left over (g1 when none).
+int64_t group_range_q8w(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  float out[kQ8Tile * 2 * kGroup];
+  const int64_t nb = g.K / kBlock;
+  for (; g0 + 1 < g1; g0 += 2)
+    q8_wide_tiles(g.pw + g0 * nb * kQ8Bytes, g.pw + (g0 + 1) * nb * kQ8Bytes, nb, g.xw, g.xat, g.xot, m0, m1, out,
+                  [&](int64_t m, int mt) { store_tile(g, g0 * kGroup, 2 * kGroup, m, mt, out, 2 * kGroup); });
+  return g0;
+}
+#endif
+
 // Row groups [g0, g1) for activation rows [m0, m1): 4 activation rows (8 for bf16 weights without AVX512-BF16)
 // share each unpacked weight vector.
 void group_range(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
 #if CS_B16_NATIVE
   if (g.wtype == 2) return group_range_b16(g, g0, g1, m0, m1);
+#endif
+#if CS_Q8_WIDE
+  if (g.xw != nullptr) g0 = group_range_q8w(g, g0, g1, m0, m1);
 #endif
   float out[8 * kGroup];
   for (int64_t grp = g0; grp < g1; ++grp) {
@@ -222,24 +151,6 @@ void group_range(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) 
       }
       store_tile(g, grp * kGroup, kGroup, m, mt, out, kGroup);
       m += mt;
-    }
-  }
-}
-
-// In-place RoPE of the first `cols` values of row y[off:] (heads of d values): v = v * c + swap_halves(v) * s.
-void rope_row(void* y, int ydtype, int64_t off, const void* c, const void* s, int64_t cols, int64_t d) {
-  float v[1024];
-  const int64_t half = d / 2;
-  for (int64_t h0 = 0; h0 < cols; h0 += d) {
-    for (int64_t j = 0; j < d; ++j) v[j] = load_x(y, ydtype, off + h0 + j);
-    for (int64_t j = 0; j < d; ++j) {
-      // rounded as ATen (and glue.cpp) in bf16: round(round(swap_halves(v) * s) + v * c)
-      const float r = v[j] * load_x(c, ydtype, j) + round_to(ydtype, v[j < half ? j + half : j - half] * load_x(s, ydtype, j));
-      if (ydtype == 0) {
-        static_cast<float*>(y)[off + h0 + j] = r;
-      } else {
-        static_cast<uint16_t*>(y)[off + h0 + j] = f_to_bf16(r);
-      }
     }
   }
 }
@@ -290,27 +201,41 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   thread_local std::vector<float> fbuf;
   const int64_t xbytes = w->wtype == 2 ? 2 * M * K : M * K;
   if (static_cast<int64_t>(qbuf.size()) < xbytes) qbuf.resize(xbytes);
-  if (static_cast<int64_t>(fbuf.size()) < 2 * M * nb) fbuf.resize(2 * M * nb);
+  if (static_cast<int64_t>(fbuf.size()) < 3 * M * nb) fbuf.resize(3 * M * nb);
   int8_t* xq = qbuf.data();
   float *xa = fbuf.data(), *xs = fbuf.data() + M * nb;
   uint16_t* xb = reinterpret_cast<uint16_t*>(xq);
   uint32_t* xi = nullptr;  // native bf16 tiles: xb interleaved, in the row pieces `work` and the threads use (b16.h)
 #if CS_B16_NATIVE
-  const bool interleave = w->wtype == 2;
+  bool interleave = w->wtype == 2;
   thread_local std::vector<uint32_t> ibuf;
   if (interleave && static_cast<int64_t>(ibuf.size()) < b16_interleaved_words(M, K, kTileM))
     ibuf.resize(b16_interleaved_words(M, K, kTileM));
   if (interleave) xi = ibuf.data();
-  auto interleave_all = [&]() {
-    for (int64_t m0 = 0; m0 < M; m0 += kTileM)
-      interleave_b16_tiles(xb, K, m0, m0 + kTileM < M ? m0 + kTileM : M, kTileM, xi);
-  };
 #else
-  const bool interleave = false;
-  auto interleave_all = []() {};
+  bool interleave = false;
 #endif
-  Args g{w->wtype, static_cast<const uint8_t*>(w->packed), N, K, M, xq, xb, xi, xa, xs, y, w->ydtype, ldy, w->bias,
-         accumulate != 0};
+  Args g{w->wtype, static_cast<const uint8_t*>(w->packed), N, K, M, xq, xb, xi, xa, xs, nullptr, nullptr, nullptr,
+         y, w->ydtype, ldy, w->bias, accumulate != 0};
+#if CS_Q8_WIDE
+  thread_local std::vector<int32_t> wbuf;  // Q8_0 wide tiles: the interleaved words, then the offsets
+  int32_t *xw = nullptr, *xot = nullptr;
+  float* xat = fbuf.data() + 2 * M * nb;
+  if (w->wtype == 1 && q8_wide_for(M, N, K)) {
+    if (static_cast<int64_t>(wbuf.size()) < M * K / 4 + M * nb) wbuf.resize(M * K / 4 + M * nb);
+    g.xw = xw = wbuf.data(), g.xot = xot = wbuf.data() + M * K / 4, g.xat = xat;
+    interleave = true;
+  }
+#endif
+  auto interleave_all = [&]() {  // in the row pieces `work` and the threads use
+#if CS_B16_NATIVE
+    for (int64_t m0 = 0; m0 < (w->wtype == 2 ? M : 0); m0 += kTileM)
+      interleave_b16_tiles(xb, K, m0, m0 + kTileM < M ? m0 + kTileM : M, kTileM, xi);
+#endif
+#if CS_Q8_WIDE
+    if (xw != nullptr) interleave_q8_rows(xq, xa, xs, M, K, kTileM, xw, xat, xot);
+#endif
+  };
   const int64_t units = (N + kGroup - 1) / kGroup;
   if (nthreads < 1) nthreads = 1;
   if (nthreads > units) nthreads = static_cast<int>(units);
