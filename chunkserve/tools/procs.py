@@ -4,6 +4,7 @@ their process trees spend. psutil only; torch-free."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
 import subprocess
@@ -51,7 +52,7 @@ class LaunchedServer:
             except urllib.error.HTTPError as e:
                 if e.code != 404:
                     return False  # 503: still starting
-            except (OSError, urllib.error.URLError):
+            except (OSError, urllib.error.URLError, http.client.HTTPException):  # not (yet) speaking HTTP
                 return False
         return False
 

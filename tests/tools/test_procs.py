@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
+from pathlib import Path
 
-from chunkserve.tools.procs import _role, cpu_by_process, cpu_delta
+from chunkserve.tools.procs import LaunchedServer, _role, cpu_by_process, cpu_delta
 
 
 def test_serving_processes_are_labelled_by_role_with_haproxy_apart_from_rays_proxy() -> None:
@@ -26,3 +29,22 @@ def test_cpu_delta_keeps_only_roles_that_spent_cpu() -> None:
     delta = cpu_delta(before, after)
     assert delta and all(v > 0.05 for v in delta.values())
     assert cpu_delta(after, after) == {}
+
+
+def test_a_port_that_answers_without_speaking_http_is_not_ready_rather_than_an_error(tmp_path: Path) -> None:
+    # seen while a cluster started: the port answered with the request line itself (http.client.BadStatusLine)
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def echo() -> None:
+        for _ in range(2):  # /ready, then /v1/models
+            conn, _ = srv.accept()
+            with conn:
+                conn.sendall(conn.recv(1024).split(b"\r\n")[0] + b"\r\n\r\n")
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    try:
+        assert LaunchedServer("x", "true", f"http://127.0.0.1:{port}", tmp_path / "x.log").ready() is False
+    finally:
+        srv.close()
