@@ -86,6 +86,7 @@ def test_block_linear_matches_the_dequantised_matmul_up_to_int8_activation_round
     (Q4Weight, torch.float32, 9),
     (Q8Weight, torch.bfloat16, 16),  # Q8_0 with AVX512-VNNI: two groups side by side, tiles of 8 + 8 rows
     (Q8Weight, torch.float32, 29),  # tiles of 10, 10 and 9 rows
+    (Q4Weight, torch.bfloat16, 29),  # Q4_1 wide tiles of at most 8 rows: 8, 7, 7, 7
     (B16Weight, torch.bfloat16, 11),  # bf16 weights: one narrow tile of 11 rows (8 outputs in the lanes)
     (B16Weight, torch.bfloat16, 16),  # one wide tile (16 rows in the lanes): the same bits as a row alone
     (B16Weight, torch.bfloat16, 29),  # wide tiles of 15 and 14 rows (zero lanes past their rows)
@@ -127,19 +128,20 @@ def test_block_linear_outputs_are_bitwise_the_same_whatever_the_isa_it_was_built
     for cls in (Q4Weight, Q8Weight):
         qw = cls.quantize(_weight(40, 96, 5))  # 5 row groups: the last one padded
         b = torch.randn(40, generator=g)
-        for rows in (1, 3, 4, 9, 16, 70):  # from 4 (8) rows, Q8_0 takes the wide tiles with AVX512-VNNI
+        for rows in (1, 3, 4, 9, 16, 70):  # from 4 (8) rows the wide tiles with AVX512-VNNI
             x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
             want = BlockLinear(kern, qw, b, torch.bfloat16, torch.float32)(x)
             assert torch.equal(BlockLinear(other, qw, b, torch.bfloat16, torch.float32)(x), want), (cls, rows)
 
 
+@pytest.mark.parametrize("cls", [Q8Weight, Q4Weight])
 @pytest.mark.parametrize("n", [48, 28])  # 28: the second pair of groups has 12 real outputs (the scalar store)
-def test_q8_wide_tiles_write_bf16_outputs_with_bias_and_accumulation_as_a_row_alone_does(n: int) -> None:
+def test_wide_tiles_write_bf16_outputs_with_bias_and_accumulation_as_a_row_alone_does(cls: type, n: int) -> None:
     # the wide tiles' vector store rounds, adds the bias and accumulates as the narrow tile's scalar one
     if load_kernel() is None:
         pytest.skip("no C++ compiler: the fallback is F.linear")
     g = torch.Generator().manual_seed(11)
-    fn = block_linear(Q8Weight.quantize(_weight(n, 128, 12)), torch.randn(n, generator=g).to(torch.bfloat16),
+    fn = block_linear(cls.quantize(_weight(n, 128, 12)), torch.randn(n, generator=g).to(torch.bfloat16),
                       torch.bfloat16)
     x = torch.randn(20, 128, generator=g).to(torch.bfloat16)
     base = torch.randn(20, n, generator=g).to(torch.bfloat16)

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "b16.h"
-#include "q8wide.h"
+#include "qwide.h"
 #include "qact.h"
 
 namespace {
@@ -54,7 +54,7 @@ struct Args {
   const uint32_t* xi;  // the same, interleaved tile by tile for the native bf16 tiles (b16.h), or null
   const float* xa;
   const float* xs;  // per row and block: a * sum(q) for Q4_1; the exact integer sum(q) for Q8_0
-  const int32_t* xw;  // Q8_0 with the wide tiles (q8wide.h): xq interleaved tile by tile, or null
+  const int32_t* xw;  // Q8_0 / Q4_1 with the wide tiles (qwide.h): xq interleaved tile by tile, or null
   const float* xat;  // ... and xa and the offsets -128 * sum(q) in the same order
   const int32_t* xot;
   void* y;
@@ -79,8 +79,8 @@ void group_rows(const Args& g, int64_t grp, int64_t m, float* out) {
 // Add bias, round and write (or accumulate) the tile's rows [m, m + mt) x outputs [n0, n0 + width) from out.
 void store_tile(const Args& g, int64_t n0, int64_t width, int64_t m, int64_t mt, const float* out, int64_t ldo) {
   const int64_t rows = g.N - n0 < width ? g.N - n0 : width;
-#if CS_Q8_WIDE
-  if (rows == 16) {  // the wide Q8_0 tiles' rows: the same arithmetic in vectors
+#if CS_Q_WIDE
+  if (rows == 16) {  // the wide tiles' rows (qwide.h): the same arithmetic in vectors
     const int64_t ys = g.ydtype == 0 ? 4 : 2;
     for (int64_t i = 0; i < mt; ++i)
       store16(out + i * ldo, g.bias == nullptr ? nullptr : static_cast<const char*>(g.bias) + n0 * ys, g.ydtype,
@@ -115,14 +115,14 @@ void group_range_b16(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t 
 }
 #endif
 
-#if CS_Q8_WIDE
-// Q8_0 over interleaved rows: pairs of groups in the wide tiles; returns the group left over (g1 when none).
-int64_t group_range_q8w(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+#if CS_Q_WIDE
+// Q8_0 / Q4_1 over interleaved rows: pairs of groups in the wide tiles; returns the group left over (g1 when none).
+int64_t group_range_qw(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
   float out[kQ8Tile * 2 * kGroup];
-  const int64_t nb = g.K / kBlock;
+  const int64_t nb = g.K / kBlock, bytes = nb * (g.wtype == 1 ? kQ8Bytes : kQ4Bytes);
   for (; g0 + 1 < g1; g0 += 2)
-    q8_wide_tiles(g.pw + g0 * nb * kQ8Bytes, g.pw + (g0 + 1) * nb * kQ8Bytes, nb, g.xw, g.xat, g.xot, m0, m1, out,
-                  [&](int64_t m, int mt) { store_tile(g, g0 * kGroup, 2 * kGroup, m, mt, out, 2 * kGroup); });
+    q_wide_tiles(g.wtype, g.pw + g0 * bytes, g.pw + (g0 + 1) * bytes, nb, g.xw, g.xat, g.xot, m0, m1, out,
+                 [&](int64_t m, int mt) { store_tile(g, g0 * kGroup, 2 * kGroup, m, mt, out, 2 * kGroup); });
   return g0;
 }
 #endif
@@ -133,8 +133,8 @@ void group_range(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) 
 #if CS_B16_NATIVE
   if (g.wtype == 2) return group_range_b16(g, g0, g1, m0, m1);
 #endif
-#if CS_Q8_WIDE
-  if (g.xw != nullptr) g0 = group_range_q8w(g, g0, g1, m0, m1);
+#if CS_Q_WIDE
+  if (g.xw != nullptr) g0 = group_range_qw(g, g0, g1, m0, m1);
 #endif
   float out[8 * kGroup];
   for (int64_t grp = g0; grp < g1; ++grp) {
@@ -217,11 +217,11 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
 #endif
   Args g{w->wtype, static_cast<const uint8_t*>(w->packed), N, K, M, xq, xb, xi, xa, xs, nullptr, nullptr, nullptr,
          y, w->ydtype, ldy, w->bias, accumulate != 0};
-#if CS_Q8_WIDE
-  thread_local std::vector<int32_t> wbuf;  // Q8_0 wide tiles: the interleaved words, then the offsets
+#if CS_Q_WIDE
+  thread_local std::vector<int32_t> wbuf;  // the wide tiles (qwide.h): the interleaved words, then the offsets
   int32_t *xw = nullptr, *xot = nullptr;
   float* xat = fbuf.data() + 2 * M * nb;
-  if (w->wtype == 1 && q8_wide_for(M, N, K)) {
+  if (w->wtype != 2 && q_wide_for(M, N, K)) {
     if (static_cast<int64_t>(wbuf.size()) < M * K / 4 + M * nb) wbuf.resize(M * K / 4 + M * nb);
     g.xw = xw = wbuf.data(), g.xot = xot = wbuf.data() + M * K / 4, g.xat = xat;
     interleave = true;
@@ -232,8 +232,8 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
     for (int64_t m0 = 0; m0 < (w->wtype == 2 ? M : 0); m0 += kTileM)
       interleave_b16_tiles(xb, K, m0, m0 + kTileM < M ? m0 + kTileM : M, kTileM, xi);
 #endif
-#if CS_Q8_WIDE
-    if (xw != nullptr) interleave_q8_rows(xq, xa, xs, M, K, kTileM, xw, xat, xot);
+#if CS_Q_WIDE
+    if (xw != nullptr) interleave_q_rows(xq, xa, xs, M, K, kTileM, w->wtype, xw, xat, xot);
 #endif
   };
   const int64_t units = (N + kGroup - 1) / kGroup;
