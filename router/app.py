@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from chunkserve import env
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.reader import ReaderConfig
+from chunkserve.heap import freeze_startup_heap
 from chunkserve.router.engine_client import HandleEngineClient
 from chunkserve.router.ingress import Ingress, IngressConfig
 from chunkserve.router.policy import PolicyConfig
@@ -222,6 +223,7 @@ class ServeIngress(Ingress):
             from chunkserve.cluster.drain import DrainFlag
 
             self.drain_flag = DrainFlag(url, cfg.namespace)
+        freeze_startup_heap()  # the tokenizer and the modules: out of every later garbage collection
 
 
 def build_app(cfg: AppConfig) -> Any:

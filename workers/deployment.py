@@ -26,6 +26,7 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
+from chunkserve.heap import freeze_startup_heap
 from chunkserve.workers.cpu_budget import rule_lend_cap, rule_threads
 from chunkserve.workers.engine_config import EngineConfig
 from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
@@ -246,6 +247,7 @@ def build_worker_deployment(name: str = "Worker", num_replicas: int | str = 1,
             # running loop the first request starts it).
             with contextlib.suppress(RuntimeError):
                 self.server.start_publishing()
+            freeze_startup_heap()  # the model and the modules: out of every later garbage collection
 
         async def generate(self, request: GenerateRequest, chunk_hashes: list[int] | None = None,
                            routing: dict[str, Any] | None = None) -> AsyncGenerator[GenerateDelta, None]:
