@@ -7,9 +7,21 @@ a ``@triton.jit`` function is defined, so it is set here, before anything import
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_heap() -> Iterator[None]:
+    """A test that builds a serving replica in-process (`ServeIngress`) freezes the heap (`chunkserve.heap`); the
+    test process keeps collecting everything afterwards."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()

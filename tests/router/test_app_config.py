@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,7 @@ def test_ingress_takes_chunk_size_and_context_length_from_the_engine_config(monk
     handle = _Handle()
     ing = ServeIngress(handle, cfg.model_dump_json())
     assert (ing.config.chunk_size, ing.config.max_model_len) == (16, 300)
+    assert gc.get_freeze_count() > 0  # a replica's start-up heap leaves the cyclic GC (chunkserve/heap.py)
     ing = ServeIngress(handle, AppConfig(engine={"chunk_size": 128}).model_dump_json())
     assert (ing.config.chunk_size, ing.config.max_model_len) == (128, 2048)  # engine unset: the model's
 

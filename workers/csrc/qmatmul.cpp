@@ -55,7 +55,7 @@ struct Args {
   const float* xa;
   const float* xs;  // per row and block: a * sum(q) for Q4_1; the exact integer sum(q) for Q8_0
   const int32_t* xw;  // Q8_0 / Q4_1 with the wide tiles (qwide.h): xq interleaved tile by tile, or null
-  const float* xat;  // ... and xa and the offsets -128 * sum(q) in the same order
+  const float* xat;  // ... and xa, and per block -128 * sum(q) (Q8_0) or the bits of a * sum(q) (Q4_1), likewise
   const int32_t* xot;
   void* y;
   int ydtype;  // 0 fp32, 1 bf16

@@ -1,7 +1,7 @@
 // The narrow Q4_1 / Q8_0 tiles of qmatmul.cpp: one group of 8 output rows x MT (<= 4) activation rows in 256-bit
 // vectors (AVX2, with VNNI where the CPU has it), or the scalar forms of qscalar.h. Included inside qmatmul.cpp's
-// anonymous namespace (it uses kQ4Bytes, kQ8Bytes, kGroup and kBlock from there). Steps of many Q8_0 rows take the
-// wide tiles of q8wide.h instead, which compute the same bits.
+// anonymous namespace (it uses kQ4Bytes, kQ8Bytes, kGroup and kBlock from there). Calls of many rows take the
+// wide tiles of qwide.h instead (with AVX512-VNNI), which compute the same bits.
 #pragma once
 
 // With AVX512-VNNI (and VL), one `vpdpbusd` (unsigned bytes x signed bytes, 4 products into each int32 lane)

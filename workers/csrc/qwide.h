@@ -135,7 +135,7 @@ void group_q4_wide(const uint8_t* pa, const uint8_t* pb, int64_t nb, const int32
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const __m512i w = q_pair(pa + 32 * i, pb + 32 * i);
-      const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+      const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), m4);  // AVX512F only (epi16 needs BW)
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
         lo_sum[m] = _mm512_dpbusd_epi32(lo_sum[m], lo, _mm512_set1_epi32(xw[i * MT + m]));
