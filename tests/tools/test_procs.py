@@ -36,15 +36,16 @@ def test_a_port_that_answers_without_speaking_http_is_not_ready_rather_than_an_e
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
 
-    def echo() -> None:
-        for _ in range(2):  # /ready, then /v1/models
-            conn, _ = srv.accept()
-            with conn:
-                conn.sendall(conn.recv(1024).split(b"\r\n")[0] + b"\r\n\r\n")
+    def echo() -> None:  # one connection: the malformed answer to /ready ends the probe
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall(conn.recv(1024).split(b"\r\n")[0] + b"\r\n\r\n")
 
     t = threading.Thread(target=echo, daemon=True)
     t.start()
     try:
         assert LaunchedServer("x", "true", f"http://127.0.0.1:{port}", tmp_path / "x.log").ready() is False
+        t.join(5)
+        assert not t.is_alive()
     finally:
         srv.close()
