@@ -79,10 +79,6 @@ constexpr int64_t kB16Prefetch = 4096;  // bytes ahead of the block being read
 constexpr int64_t kB16MaxTile = 16;  // rows per tile at most
 constexpr int kB16Wide = 13;  // tiles of this many rows or more take the wide kernel (lanes over 16 rows)
 
-// Rows of the next tile with `left` rows still to do: the fewest tiles, as even as they go (20 rows: 10 + 10).
-constexpr int b16_tile_rows(int64_t left) {
-  return static_cast<int>((left + (left + kB16MaxTile - 1) / kB16MaxTile - 1) / ((left + kB16MaxTile - 1) / kB16MaxTile));
-}
 constexpr int b16_slots(int mt) { return mt >= kB16Wide ? static_cast<int>(kB16MaxTile) : mt; }
 
 // mt rows of bf16 x (row stride K) -> xi [K / 2, b16_slots(mt)] pairs (zero past row mt).
@@ -142,7 +138,7 @@ template <class F>
 void for_b16_tiles(int64_t m0, int64_t m1, int64_t K, int64_t piece, F fn) {
   int64_t off = m0 / piece * (piece + kB16MaxTile) * (K / 2);
   for (int64_t m = m0; m < m1;) {
-    const int mt = b16_tile_rows(m1 - m);
+    const int mt = tile_rows(m1 - m, kB16MaxTile);
     fn(m, mt, off);
     off += b16_slots(mt) * (K / 2);
     m += mt;

@@ -18,6 +18,12 @@ namespace csq {
 
 constexpr int64_t kBlock = 32;
 
+// Rows of the next tile with `left` rows still to do: the fewest tiles of at most `most` rows, as even as they go
+// (20 rows, at most 16: 10 + 10). The bf16 tiles (b16.h) and the wide Q8_0 / Q4_1 tiles (qwide.h) split by it.
+constexpr int tile_rows(int64_t left, int64_t most) {
+  return static_cast<int>((left + (left + most - 1) / most - 1) / ((left + most - 1) / most));
+}
+
 inline float fp16_to_f(uint16_t h) {
 #if CS_Q_AVX2
   return _cvtsh_ss(h);

@@ -37,16 +37,11 @@ constexpr int64_t kQWidePrefetch = 8192;  // bytes ahead of the blocks being rea
 inline bool q_wide_for(int64_t M, int64_t N, int64_t K) { return M >= 8 || (M >= 4 && N * K <= (int64_t{8} << 20)); }
 constexpr int q_tile_max(int wtype) { return wtype == 1 ? kQ8Tile : kQ4Tile; }
 
-// Rows of the next tile with `left` rows still to do: the fewest tiles of at most `most`, as even as they go.
-constexpr int q_tile_rows(int64_t left, int most) {
-  return static_cast<int>((left + (left + most - 1) / most - 1) / ((left + most - 1) / most));
-}
-
 // The tiles of rows [m0, m1) in order: fn(m, mt).
 template <class F>
 void for_q_tiles(int64_t m0, int64_t m1, int most, F fn) {
   for (int64_t m = m0; m < m1;) {
-    const int mt = q_tile_rows(m1 - m, most);
+    const int mt = tile_rows(m1 - m, most);
     fn(m, mt);
     m += mt;
   }
@@ -178,15 +173,16 @@ inline void store16(const float* v, const void* bias, int ydtype, bool accumulat
   _mm256_storeu_si256(static_cast<__m256i*>(y), _mm512_cvtepi32_epi16(q_bf16_bits(x)));
 }
 
+// The tile of mt rows (1 <= mt <= the format's tile size) by its template.
 template <int... MT>
-void q_wide_rows(std::integer_sequence<int, MT...>, int wtype, int mt, const uint8_t* pa, const uint8_t* pb,
-                 int64_t nb, const int32_t* xw, const float* xa, const int32_t* xo, float* out) {
-  if (wtype == 1) {
-    ((mt == MT + 1 ? group_q8_wide<MT + 1>(pa, pb, nb, xw, xa, xo, out) : void()), ...);
-  } else {
-    ((mt == MT + 1 && MT < kQ4Tile ? group_q4_wide<(MT < kQ4Tile ? MT + 1 : 1)>(pa, pb, nb, xw, xa, xo, out)
-                                   : void()), ...);
-  }
+void q8_wide_rows(std::integer_sequence<int, MT...>, int mt, const uint8_t* pa, const uint8_t* pb, int64_t nb,
+                  const int32_t* xw, const float* xa, const int32_t* xo, float* out) {
+  ((mt == MT + 1 ? group_q8_wide<MT + 1>(pa, pb, nb, xw, xa, xo, out) : void()), ...);
+}
+template <int... MT>
+void q4_wide_rows(std::integer_sequence<int, MT...>, int mt, const uint8_t* pa, const uint8_t* pb, int64_t nb,
+                  const int32_t* xw, const float* xa, const int32_t* xo, float* out) {
+  ((mt == MT + 1 ? group_q4_wide<MT + 1>(pa, pb, nb, xw, xa, xo, out) : void()), ...);
 }
 
 // Groups pa, pb (weight type 1: Q8_0, 0: Q4_1) over rows [m0, m1) of the interleaved activations: each tile's
@@ -195,8 +191,13 @@ template <class Store>
 void q_wide_tiles(int wtype, const uint8_t* pa, const uint8_t* pb, int64_t nb, const int32_t* xw, const float* xat,
                   const int32_t* xot, int64_t m0, int64_t m1, float* out, Store store) {
   for_q_tiles(m0, m1, q_tile_max(wtype), [&](int64_t m, int mt) {
-    q_wide_rows(std::make_integer_sequence<int, kQ8Tile>{}, wtype, mt, pa, pb, nb, xw + m * nb * 8, xat + m * nb,
-                xot + m * nb, out);
+    if (wtype == 1) {
+      q8_wide_rows(std::make_integer_sequence<int, kQ8Tile>{}, mt, pa, pb, nb, xw + m * nb * 8, xat + m * nb,
+                   xot + m * nb, out);
+    } else {
+      q4_wide_rows(std::make_integer_sequence<int, kQ4Tile>{}, mt, pa, pb, nb, xw + m * nb * 8, xat + m * nb,
+                   xot + m * nb, out);
+    }
     store(m, mt);
   });
 }
