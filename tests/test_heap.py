@@ -30,7 +30,8 @@ def test_freezing_collects_garbage_first_then_keeps_live_objects_out_of_every_ge
     del dead
     frozen = freeze_startup_heap()
     assert dead_ref() is None  # collected, not frozen
-    assert frozen >= len(live) and gc.get_freeze_count() == frozen
+    # (frozen objects can still be freed by reference counting, e.g. by another thread: the count only falls)
+    assert frozen >= len(live) and len(live) <= gc.get_freeze_count() <= frozen
     ids = {id(x) for g in range(3) for x in gc.get_objects(generation=g)}
     assert id(live) not in ids and id(live[0]) not in ids  # a full collection no longer walks them
 
