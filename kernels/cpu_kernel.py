@@ -135,15 +135,6 @@ class CpuDecodeKernel:
         amx.argtypes = [i64]
         amx.restype = ctypes.c_int
         self._amx = amx
-        causal = lib.cs_run_causal
-        causal.argtypes = [i64]
-        causal.restype = ctypes.c_int
-        self._causal = causal
-
-    def causal_runs(self, head_dim: int) -> bool:
-        """Whether bf16 runs of this head dim may be causal (prefill: each token masked at its own key, so no
-        own-chunk pass): on AMX tiles, or on ``vdpbf16ps`` pairs (AVX512-BF16, head_dim % 16 == 0)."""
-        return bool(self._causal(head_dim))
 
     def amx_tiles(self, head_dim: int) -> bool:
         """Whether bf16 shared runs (phase 1, and prefill over cached chunks) of this head dim run on AMX tiles
@@ -224,7 +215,7 @@ class RunTable:
     max_rows: int         # largest j - i
     max_chunks: int       # largest P_r
     row_keys: int         # sum over runs of (j - i) * valid keys: the work, in row-key pairs
-    qpos: torch.Tensor | None = None  # [R] int32, causal runs (bf16 tiles): key index of each run's first row's token
+    qpos: torch.Tensor | None = None  # [R] int32, causal runs (AMX only): key index of each run's first row's token
     launch: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod

@@ -47,7 +47,7 @@ struct RunArgs {
   float* o;                // [R, b, hkv, g, d]
   float* lse;              // [R, b, hkv, g]
   int64_t flags;           // kOneSlot | kAccumulate | kRawQ
-  const int32_t* qpos;     // [R] causal runs (bf16 tiles): key index of each run's first token, else null
+  const int32_t* qpos;     // [R] causal runs (AMX only): key index of each run's first token, else null
   float qscale;            // the scale q was multiplied by (the bf16 pair path packs q / qscale, then scales S)
 };
 
@@ -202,9 +202,7 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
   const int64_t cps = (P + a.nsplit - 1) / a.nsplit, p0 = s * cps, p1 = std::min(P, p0 + cps);
   const T* kbase = static_cast<const T*>(a.k) + h * a.hs;
   const T* vbase = static_cast<const T*>(a.v) + h * a.hs;
-  const bool causal = kPairs<T> && a.qpos != nullptr;  // row x (token x / g) sees the run's keys [0, qpos + x / g]
-  int64_t kpos = 0;  // the run's keys before chunk p (causal runs have one split: p0 == 0)
-  for (int64_t p = p0; p < p1; kpos += std::max<int64_t>(a.tokens[c0 + p], 0), ++p) {
+  for (int64_t p = p0; p < p1; ++p) {
     const int64_t nt = a.tokens[c0 + p];
     if (nt <= 0) continue;
     const int64_t ch = a.chunks[c0 + p];
@@ -222,20 +220,11 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
       const int64_t rows = std::min<int64_t>(MB, M - rb * MB);
       const int64_t ru = kPairs<T> ? (rows + kPairRU<NV> - 1) / kPairRU<NV> * kPairRU<NV> : MB;
       const int64_t nvu = (ru + kW - 1) / kW;  // the softmax's vectors: every P@V row tile's probabilities
-      int64_t ntb = nt;  // the chunk's keys this block reads: causal, up to its last row's own key
-      if (causal) {
-        ntb = std::min(nt, a.qpos[r] + (rb * MB + rows - 1) / a.g + 1 - kpos);
-        if (ntb <= 0) continue;  // past every row of the block
-      }
       if constexpr (kPairs<T>)
         scores_rows<MB, kPairKU<NV>>(rows, qp + rb * d / 2 * MB, reinterpret_cast<const uint16_t*>(kbase + ch * a.cs),
-                                      ntb, d, a.qscale, st);
+                                      nt, d, a.qscale, st);
       else
         scores<NV>(qt + rb * d * MB, kc, nt, d, st);
-      for (int64_t t = 0; causal && t < ntb; ++t) {  // key kpos + t is hidden from the rows whose token is before it
-        const int64_t hidden = std::min(ru, a.g * (kpos + t - a.qpos[r]) - rb * MB);
-        if (hidden > 0) std::fill(st + t * MB, st + t * MB + hidden, ninf);
-      }
       float* mr = m + rb * MB;
       float* lr = l + rb * MB;
       float* ar = acc + rb * MB * d;
@@ -243,11 +232,11 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
       for (int v = 0; v < nvu; ++v) {
         const int64_t o = v * kW;
         vf mx = cs::load(st + o);
-        for (int64_t t = 1; t < ntb; ++t) mx = cs::vmax(mx, cs::load(st + t * MB + o));
+        for (int64_t t = 1; t < nt; ++t) mx = cs::vmax(mx, cs::load(st + t * MB + o));
         const vf mo = cs::load(mr + o), mn = cs::vmax(mo, mx);
         vf sum{};
         if constexpr (kPairs<T>) {
-          sum = exp_pairs<MB>(st, ntb, o, mn, w.pp.data());
+          sum = exp_pairs<MB>(st, nt, o, mn, w.pp.data());
         } else {
           for (int64_t t = 0; t < nt; ++t) {
             const vf e = cs::vexp(cs::load(st + t * MB + o) - mn);
@@ -267,7 +256,7 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
         for (int64_t jd = 0; jd < d; jd += kW) cs::store(ox + jd, cs::load(ox + jd) * av);
       }
       if constexpr (kPairs<T>) {
-        pv_pairs<MB, kPairRU<NV>>(w.pp.data(), w.vp.data(), (ntb + 1) / 2, d, ar, ru);
+        pv_pairs<MB, kPairRU<NV>>(w.pp.data(), w.vp.data(), (nt + 1) / 2, d, ar, ru);
       } else {
         pv<NV>(st, vc, nt, d, ar);
       }
@@ -376,9 +365,6 @@ int cs_run_amx(int64_t d) {
 #endif
 }
 
-// 1 where bf16 runs of head dim d may be causal (`qpos`): the AMX tiles, or vdpbf16ps pairs (d a multiple of 16).
-int cs_run_causal(int64_t d) { return cs_run_amx(d) || (kPairs<cs::Bf16> && d % kW == 0) ? 1 : 0; }
-
 // dtype: 0 fp32, 1 bf16, 2 fp16; flags: kOneSlot (1) writes every run into slot 0, kAccumulate (2, with
 // kOneSlot) merges into the (o, lse) there; q arrives multiplied by qscale (> 0), or unscaled with kRawQ (4).
 // Returns 0, or a negative code for unsupported arguments.
@@ -388,7 +374,7 @@ int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, i
                      int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t flags,
                      float qscale, const int32_t* qpos) {
   if (d < 1 || d % kW != 0 || c < 1 || nsplit < 1 || g < 1 || !(qscale > 0.f)) return -1;
-  if (qpos != nullptr && (dtype != 1 || nsplit > 1 || !cs_run_causal(d))) return -5;  // causal runs: bf16 tiles
+  if (qpos != nullptr && (dtype != 1 || nsplit > 1 || !cs_run_amx(d))) return -5;  // causal runs: AMX only
   if ((flags & kAccumulate) && !(flags & kOneSlot)) return -4;
   if (nsplit > 1 && (so == nullptr || slse == nullptr)) return -2;
   const RunArgs a{q, k, v, hs, cs, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so, slse, o, lse,

@@ -99,7 +99,7 @@ def _tree_rows(tree, c: int, fresh_len: int):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
 def test_causal_runs_mask_each_token_at_its_position_and_equal_the_block_and_own_chunk_plan(
         cache_tree, check, c: int, heads: tuple[int, int]) -> None:
-    """On AMX or AVX512-BF16 (bf16, d = 64): one causal run per piece of a request's tokens over all its unshared chunks,
+    """On AMX (bf16, d = 64): one causal run per piece of a request's tokens over all its unshared chunks,
     pieces of several chunks (a 300-token fresh row: three pieces), a cached prefix ending mid-chunk and
     NaN in every free pool slot, against a float64 reference and the plan with block runs and own chunks."""
     from chunkserve.kernels.prefill_runs import chunk_first_prefill
@@ -110,8 +110,8 @@ def test_causal_runs_mask_each_token_at_its_position_and_equal_the_block_and_own
     q = torch.randn(cu[-1], hq, 64, generator=tree.gen).to(torch.bfloat16)
     pools = tree.cache.k_pool[0], tree.cache.v_pool[0]
     kern = run_kernel(q, pools[0])
-    if kern is None or not kern.causal_runs(64):
-        pytest.skip("causal runs need bf16 tiles (an AMX-BF16 or AVX512-BF16 CPU)")
+    if kern is None or not kern.amx_tiles(64):
+        pytest.skip("causal runs need the AMX path (an AMX-BF16 CPU)")
     causal = CpuPrefillPlan.build(table.tolist(), tokens.tolist(), starts, cu, c, causal=True)
     blocks = CpuPrefillPlan.build(table.tolist(), tokens.tolist(), starts, cu, c)
     assert causal.causal is not None and causal.blocks is None and blocks.causal is None
@@ -125,8 +125,8 @@ def test_causal_runs_mask_each_token_at_its_position_and_equal_the_block_and_own
     assert check.rel_err(got, old) < check.tol[torch.bfloat16]
 
 
-def test_a_causal_run_is_refused_where_it_would_not_run_on_bf16_tiles(cache_tree) -> None:
-    """Causal runs exist only in the bf16 tile paths; an fp32 pool asking for one gets an error, not unmasked keys."""
+def test_a_causal_run_is_refused_where_it_would_not_run_on_amx_tiles(cache_tree) -> None:
+    """Causal runs exist only in the AMX path; an fp32 pool asking for one gets an error, not unmasked keys."""
     from chunkserve.kernels.prefill_runs import chunk_first_prefill
 
     tree = cache_tree(3, 2, 64, C, torch.float32, device="cpu", max_len=256)

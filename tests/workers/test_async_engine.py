@@ -185,10 +185,7 @@ def test_coalesced_engine_stream_has_the_same_tokens_text_and_usage_as_the_plain
     assert len(merged) <= len(plain)
     assert [t for d in merged for t in d.token_ids] == [t for d in plain for t in d.token_ids]
     assert "".join(d.text for d in merged) == "".join(d.text for d in plain)
-    # the second request finds the prompt cached: in bf16 (the default on a bf16 CPU) its first token's attention
-    # then runs over another partition of the keys, whose probabilities round to bf16 apart
-    assert [lp for d in merged for lp in d.logprobs] == pytest.approx([lp for d in plain for lp in d.logprobs],
-                                                                      rel=1e-3)
+    assert [lp for d in merged for lp in d.logprobs] == pytest.approx([lp for d in plain for lp in d.logprobs])
     assert merged[-1].finish_reason == plain[-1].finish_reason == "length"
     assert merged[-1].num_output_tokens == plain[-1].num_output_tokens == 24
     assert merged[-1].num_prompt_tokens == plain[-1].num_prompt_tokens == 20
