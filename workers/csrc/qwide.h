@@ -16,6 +16,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "qact.h"
@@ -173,16 +174,10 @@ inline void store16(const float* v, const void* bias, int ydtype, bool accumulat
   _mm256_storeu_si256(static_cast<__m256i*>(y), _mm512_cvtepi32_epi16(q_bf16_bits(x)));
 }
 
-// The tile of mt rows (1 <= mt <= the format's tile size) by its template.
-template <int... MT>
-void q8_wide_rows(std::integer_sequence<int, MT...>, int mt, const uint8_t* pa, const uint8_t* pb, int64_t nb,
-                  const int32_t* xw, const float* xa, const int32_t* xo, float* out) {
-  ((mt == MT + 1 ? group_q8_wide<MT + 1>(pa, pb, nb, xw, xa, xo, out) : void()), ...);
-}
-template <int... MT>
-void q4_wide_rows(std::integer_sequence<int, MT...>, int mt, const uint8_t* pa, const uint8_t* pb, int64_t nb,
-                  const int32_t* xw, const float* xa, const int32_t* xo, float* out) {
-  ((mt == MT + 1 ? group_q4_wide<MT + 1>(pa, pb, nb, xw, xa, xo, out) : void()), ...);
+// fn(std::integral_constant<int, mt>) for the tile's mt rows (1 <= mt <= sizeof...(MT)): the kernel of that size.
+template <int... MT, class F>
+void with_rows(std::integer_sequence<int, MT...>, int mt, F fn) {
+  ((mt == MT + 1 ? fn(std::integral_constant<int, MT + 1>{}) : void()), ...);
 }
 
 // Groups pa, pb (weight type 1: Q8_0, 0: Q4_1) over rows [m0, m1) of the interleaved activations: each tile's
@@ -191,12 +186,14 @@ template <class Store>
 void q_wide_tiles(int wtype, const uint8_t* pa, const uint8_t* pb, int64_t nb, const int32_t* xw, const float* xat,
                   const int32_t* xot, int64_t m0, int64_t m1, float* out, Store store) {
   for_q_tiles(m0, m1, q_tile_max(wtype), [&](int64_t m, int mt) {
+    const int32_t *w = xw + m * nb * 8, *o = xot + m * nb;
+    const float* a = xat + m * nb;
     if (wtype == 1) {
-      q8_wide_rows(std::make_integer_sequence<int, kQ8Tile>{}, mt, pa, pb, nb, xw + m * nb * 8, xat + m * nb,
-                   xot + m * nb, out);
+      with_rows(std::make_integer_sequence<int, kQ8Tile>{}, mt,
+                [&](auto r) { group_q8_wide<decltype(r)::value>(pa, pb, nb, w, a, o, out); });
     } else {
-      q4_wide_rows(std::make_integer_sequence<int, kQ4Tile>{}, mt, pa, pb, nb, xw + m * nb * 8, xat + m * nb,
-                   xot + m * nb, out);
+      with_rows(std::make_integer_sequence<int, kQ4Tile>{}, mt,
+                [&](auto r) { group_q4_wide<decltype(r)::value>(pa, pb, nb, w, a, o, out); });
     }
     store(m, mt);
   });
