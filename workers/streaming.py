@@ -21,6 +21,7 @@ proxy whatever it carries, and on a small node that CPU is taken from the engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,8 +66,9 @@ class StreamBatching:
 
 
 def merge_deltas(deltas: Sequence[GenerateDelta]) -> GenerateDelta:
-    """One delta equal to ``deltas`` in order: tokens, text and logprobs concatenated, counters and the
-    finish reason of the last, the first token's time of the first that has one."""
+    """One delta equal to ``deltas`` in order: tokens, text and logprobs concatenated, counters (prompt, cached,
+    cache-written, output tokens), the finish reason and ``extra`` of the last, the first token's time of the
+    first that has one."""
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
@@ -77,10 +79,9 @@ def merge_deltas(deltas: Sequence[GenerateDelta]) -> GenerateDelta:
     if any(d.logprobs is not None for d in deltas):
         logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
     first_time = next((d.first_token_time for d in deltas if d.first_token_time is not None), None)
-    return GenerateDelta(request_id=last.request_id, token_ids=tokens, text="".join(d.text for d in deltas),
-                         num_prompt_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
-                         num_output_tokens=last.num_output_tokens, finish_reason=last.finish_reason,
-                         logprobs=logprobs, first_token_time=first_time, extra=last.extra)
+    # every counter (cached and cache-written tokens included) and the finish reason are the last delta's
+    return dataclasses.replace(last, token_ids=tokens, text="".join(d.text for d in deltas), logprobs=logprobs,
+                               first_token_time=first_time)
 
 
 async def coalesce(queue: asyncio.Queue, batching: StreamBatching, streams: Callable[[], int] | None = None

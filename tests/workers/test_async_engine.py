@@ -133,6 +133,14 @@ def test_merge_keeps_logprobs_absent_when_no_delta_has_them() -> None:
     assert m.logprobs is None and m.token_ids == [100, 101] and m.first_token_time == 12.5
 
 
+def test_merge_keeps_the_last_deltas_cache_counters() -> None:
+    a, b = delta(0), delta(1, "stop")
+    b.num_cached_tokens, b.num_cache_creation_tokens, b.num_output_tokens = 64, 128, 2
+    m = merge_deltas([a, b])
+    assert (m.num_cached_tokens, m.num_cache_creation_tokens, m.num_output_tokens) == (64, 128, 2)
+    assert m.finish_reason == "stop" and m.token_ids == [100, 101]
+
+
 def test_stream_batching_rejects_bad_options() -> None:
     with pytest.raises(ValueError):
         StreamBatching(interval_s=-1)
