@@ -137,9 +137,18 @@ class AsyncEngine:
         """A snapshot taken by the engine thread after its last step (never blocks; immutable)."""
         return self._stats
 
+    def check_alive(self) -> None:
+        """Raises `EngineDeadError` once the engine thread no longer steps (it died, or was shut down)."""
+        why = self._dead
+        if why is None and not self._thread.is_alive():
+            why = "the engine thread is not running"
+        if why is not None:
+            raise EngineDeadError(why)
+
     async def forest_summary(self, top_n: int = 32, max_runs: int = 400) -> dict[str, Any]:
         """A bounded summary of the prefix forest (`tree_summary.summarize_forest`), taken on the engine
-        thread between steps."""
+        thread between steps; `EngineDeadError` once the engine thread has stopped."""
+        self.check_alive()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._post("call", (lambda: summarize_forest(self.core.cache, self.forest_usage, top_n, max_runs), fut))
         return await asyncio.wrap_future(fut)
@@ -193,6 +202,8 @@ class AsyncEngine:
     def _post(self, kind: str, payload: Any) -> None:
         self._inbox.put((kind, payload))
         self._wake.set()
+        if self._dead is not None:  # nobody reads the inbox any more: answer the calls that wait on it
+            self._fail_calls(self._dead)
 
     def _deliver(self, items: list[tuple[str, Any]]) -> None:
         """Hands (request id, delta or exception) pairs to their queues, one wake-up per event loop."""
@@ -279,6 +290,17 @@ class AsyncEngine:
             self._dead = why
             rids = list(self._sinks)
         self._deliver([(rid, EngineDeadError(why)) for rid in rids])
+        self._fail_calls(why)
+
+    def _fail_calls(self, why: str) -> None:
+        """Empties the inbox of a stopped engine: each queued call's future gets `EngineDeadError`."""
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call" and not payload[1].done():
+                payload[1].set_exception(EngineDeadError(why))
 
     def _snapshot(self, clock: ThreadClock) -> EngineStats:
         return EngineStats.from_dict({**self.core.stats(), **clock.times.as_stats()})

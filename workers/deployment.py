@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from chunkserve.heap import freeze_startup_heap
 from chunkserve.workers.cpu_budget import rule_lend_cap, rule_threads
 from chunkserve.workers.engine_config import EngineConfig
-from chunkserve.workers.protocol import GenerateDelta, GenerateRequest
+from chunkserve.workers.protocol import EngineDeadError, GenerateDelta, GenerateRequest
 from chunkserve.workers.streaming import StreamBatching
 from chunkserve.workers.worker_metrics import RoutingAccuracy, TenantTokens, WorkerMetrics
 
@@ -94,6 +94,7 @@ class WorkerServer:
         self.routing = RoutingAccuracy(worker_id, self.engine.core.cache.chunk_size)
         self.tenant_tokens = TenantTokens()
         self.publisher = None
+        self._released = False  # the lease was dropped by a failed health check
         self.stats_writer = None
         self._pub_task: asyncio.Task | None = None
         self._pub_wake = asyncio.Event()  # set (through the loop) by a step that queued cache events
@@ -183,6 +184,18 @@ class WorkerServer:
         finally:
             self.tenant_tokens.decoded(request.tenant, out)
 
+    def check_health(self) -> None:
+        """Serve's health check: raises once the engine thread has stopped, so that Serve replaces this
+        replica; the first failing check also drops its lease and index entries, so routers stop choosing it
+        at once (a dead engine fails every request instantly and would otherwise look idle)."""
+        try:
+            self.engine.check_alive()
+        except EngineDeadError:
+            if self.publisher is not None and not self._released:
+                self._released = True
+                self.publisher.stop(release=True)
+            raise
+
     def routing_stats(self) -> dict[str, Any]:
         """What the router reads about this replica (Serve's ``record_routing_stats``), by `EngineStats` names."""
         st = self.engine.stats()
@@ -260,6 +273,9 @@ def build_worker_deployment(name: str = "Worker", num_replicas: int | str = 1,
 
         async def forest_summary(self) -> dict[str, Any]:
             return await self.server.engine.forest_summary()
+
+        async def check_health(self) -> None:
+            await asyncio.to_thread(self.server.check_health)  # a failing one joins the lease thread
 
         def record_routing_stats(self) -> dict[str, Any]:
             return self.server.routing_stats()

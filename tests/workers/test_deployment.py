@@ -75,3 +75,37 @@ def test_worker_server_streams_coalesced_items_with_the_same_tokens_as_one_per_t
     assert [t for d in merged for t in d.token_ids] == [t for d in plain for t in d.token_ids]
     assert merged[-1].finish_reason == plain[-1].finish_reason == "length"
     assert merged[-1].num_output_tokens == 30
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's death
+def test_a_worker_whose_engine_thread_died_fails_its_health_check_and_drops_its_lease():
+    from chunkserve.cluster.index import PrefixIndex
+    from chunkserve.cluster.redis_server import RedisServer
+    from chunkserve.workers.protocol import EngineDeadError
+
+    with RedisServer() as redis_srv:
+        server = WorkerServer(TINY, "w-dies", redis_url=redis_srv.url, namespace="dies", enable_ray_metrics=False)
+        index = PrefixIndex(redis_srv.url, namespace="dies")
+        try:
+            server.check_health()  # a live engine passes
+            assert "w-dies" in index.live_workers()
+
+            def explode(*args, **kwargs):
+                raise RuntimeError("a bug outside the step")
+
+            server.engine.core.add_request = explode  # uncaught on the engine thread: the thread dies
+
+            async def first() -> None:
+                async for _ in server.generate(GenerateRequest("doomed", (1, 2, 3), SamplingParams(max_tokens=2))):
+                    pass
+
+            with pytest.raises(EngineDeadError):
+                asyncio.run(asyncio.wait_for(first(), 30))
+            server.engine._thread.join(timeout=10)
+            with pytest.raises(EngineDeadError):  # answered at once, not left waiting on an inbox nobody reads
+                asyncio.run(asyncio.wait_for(server.engine.forest_summary(), 5))
+            with pytest.raises(EngineDeadError):
+                server.check_health()
+            assert "w-dies" not in index.live_workers()  # routers stop choosing it before Serve replaces it
+        finally:
+            server.shutdown()
