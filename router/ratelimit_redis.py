@@ -10,7 +10,9 @@ Keys (one hash tag per tenant, so a Redis Cluster keeps them in one slot)::
     {<ns>:rl:<tenant>}:b    hash  rl, rt (requests bucket level, last refill ms), tl, tt (tokens bucket)
     {<ns>:rl:<tenant>}:run  zset  lease id -> expiry (ms); expired entries (a replica that died) are dropped
 
-A concurrency lease expires after ``lease_ttl_s`` even if its release is lost. When Redis cannot be
+A concurrency lease expires after ``lease_ttl_s`` even if its release is lost (a replica that died); a replica
+that lost Redis's answer to an admission (which may have taken a slot) or to a release removes that slot in the
+background, retried, so a slow Redis does not lock a tenant out until the lease expires. When Redis cannot be
 reached the replica falls back to its local limiter (per-replica limits, logged once) rather than
 refusing traffic, and goes back to Redis when it answers again.
 """
@@ -32,6 +34,7 @@ from chunkserve.router.ratelimit import Lease, RateLimited, RateLimiter, request
 from chunkserve.router.tenants import Tenant
 
 logger = logging.getLogger(__name__)
+FORGET_RETRY_S = (0.5, 2.0, 8.0, 30.0)  # waits between tries to remove a slot a lost answer may have left
 
 # Shared by both scripts: Redis's clock in ms, and a bucket (level field lf, refill-time field tf in hash
 # KEYS[1]) refilled up to now; store() writes it back with a TTL past the time it would be full again.
@@ -133,6 +136,7 @@ class ClusterRateLimiter:
         self._client: aredis.Redis | None = None  # created on first use, inside the serving event loop
         self._running: dict[str, int] = {tid: 0 for tid in self._limits}
         self._redis_ok = True
+        self._cleanups: set[asyncio.Task] = set()  # background removals of slots a timeout may have left
 
     def _keys(self, tenant_id: str) -> tuple[str, str]:
         tag = f"{{{self.namespace}:rl:{tenant_id}}}"
@@ -172,6 +176,8 @@ class ClusterRateLimiter:
                     -1 if lim.max_concurrent is None else lim.max_concurrent, lease.lease_id, self.lease_ms)
             except (TimeoutError, RedisError, OSError) as e:
                 self._redis_down(e)
+                if lim.max_concurrent is not None:  # the script may have run before the answer was lost
+                    self._forget(tenant_id, lease.lease_id)
                 lease.local = self.fallback.acquire(tenant_id)
                 return lease
             if not ok:
@@ -224,10 +230,31 @@ class ClusterRateLimiter:
             refund = lease.charged_tokens - actual_tokens if actual_tokens is not None else 0
             if lim.tok_rate is not None and refund > 0:
                 await self._eval(_TOKENS, (bucket,), lim.tok_rate, lim.tok_cap, -refund)
-        except (TimeoutError, RedisError, OSError) as e:  # the zset entry expires on its own
+        except (TimeoutError, RedisError, OSError) as e:
             self._redis_down(e)
+            if lim.max_concurrent is not None:
+                self._forget(lease.tenant_id, lease.lease_id)
+
+    def _forget(self, tenant_id: str, lease_id: str) -> None:
+        """Removes ``lease_id``'s concurrency slot in the background, retried while Redis does not answer: a
+        slot left behind by a lost answer would count against the tenant until the lease expires (10 minutes
+        by default). The lease id is unique, so a removal that already happened is harmless."""
+        task = asyncio.get_running_loop().create_task(self._remove_slot(tenant_id, lease_id))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def _remove_slot(self, tenant_id: str, lease_id: str) -> None:
+        run = self._keys(tenant_id)[1]
+        for delay in FORGET_RETRY_S:
+            try:
+                await asyncio.wait_for(self._redis().zrem(run, lease_id), self._timeout * 2)
+                return
+            except (TimeoutError, RedisError, OSError):
+                await asyncio.sleep(delay)
 
     async def close(self) -> None:
+        for task in list(self._cleanups):
+            task.cancel()
         if self._client is not None:
             await self._client.aclose()
             self._client = None

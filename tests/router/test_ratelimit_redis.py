@@ -138,3 +138,27 @@ def test_two_ingress_replicas_answer_429_once_the_shared_burst_is_spent(redis_se
         assert ei.value.status == 429 and int(ei.value.headers["Retry-After"]) >= 9
 
     asyncio.run(run())
+
+
+def test_a_slot_taken_by_an_admission_whose_answer_was_lost_is_removed_in_the_background(
+        redis_server, namespace) -> None:
+    async def run() -> None:
+        reg = _tenants(max_concurrent_requests=1)
+        slow = ClusterRateLimiter(reg.tenants, redis_server.url, namespace)  # 600 s leases
+        other = ClusterRateLimiter(reg.tenants, redis_server.url, namespace)
+        real_eval = slow._eval
+
+        async def answer_lost(script, keys, *args):  # the script runs on the server, its answer times out
+            await real_eval(script, keys, *args)
+            raise TimeoutError
+
+        slow._eval = answer_lost  # type: ignore[method-assign]
+        lease = await slow.admit("a")  # served on the local fallback
+        assert lease.local is not None
+        await asyncio.gather(*slow._cleanups)
+        await (await other.admit("a")).finish()  # the slot left on the server is gone, not held for 10 minutes
+        await lease.finish()
+        for lim in (slow, other):
+            await lim.close()
+
+    asyncio.run(run())
