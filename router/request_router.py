@@ -15,7 +15,6 @@ which is what ``RunningReplica.replica_id.unique_id`` shows the router.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from numbers import Integral
 from typing import Any
@@ -28,14 +27,13 @@ from chunkserve.cluster.index import DEFAULT_NAMESPACE, AsyncPrefixIndex
 from chunkserve.cluster.reader import CachedIndexReader, ReaderConfig
 from chunkserve.router.metrics import RouterMetrics
 from chunkserve.router.policy import PolicyConfig, PrefixPolicy, ReplicaLoad
+from chunkserve.router.reservations import Reservations
 from chunkserve.workers.worker_metrics import ROUTING_KWARG
 
 logger = logging.getLogger(__name__)
 
 REDIS_URL_ENV = env.REDIS_URL
 CHAIN_KWARG = "chunk_hashes"
-_MAX_TRACKED = 100_000
-_RESERVATION_TTL_S = 600.0
 
 
 def extract_chain(pending_request: PendingRequest | None, max_chunks: int) -> list[int]:
@@ -89,12 +87,10 @@ class PrefixAwareRouter(RequestRouter):
                                             cluster_mode=cluster_mode)) if url else None
         self._reader = CachedIndexReader(factory, ReaderConfig(**(reader or {})))
         self._metrics = RouterMetrics(enable_ray=enable_metrics)
-        # internal request id -> (worker id it is counted on, decision time); counted from the decision
-        # on, so concurrent routing tasks see each other's choices before any request is sent.
-        self._reserved: dict[str, tuple[str, float]] = {}
-        self._local_load: Counter[str] = Counter()
+        # internal request id -> the worker it is counted on, from the decision on (`reservations.py`)
+        self._reserved = Reservations()
+        self._local_load: Counter[str] = self._reserved.load
         self._known: set[str] = set()
-        self._last_sweep = time.monotonic()
 
     def _ensure_state(self) -> None:
         if not hasattr(self, "_policy"):  # initialize_state() is always called by Serve; be safe anyway
@@ -118,27 +114,6 @@ class PrefixAwareRouter(RequestRouter):
         waiting = min(_stat(r, "num_requests_waiting"), ongoing)
         return ReplicaLoad(wid, ongoing + waiting, r.max_ongoing_requests)
 
-    def _reserve(self, req_id: str, wid: str) -> None:
-        self._release(req_id)
-        self._reserved[req_id] = (wid, time.monotonic())
-        self._local_load[wid] += 1
-
-    def _release(self, req_id: str) -> None:
-        prev = self._reserved.pop(req_id, None)
-        if prev is not None:
-            self._local_load[prev[0]] -= 1
-            if self._local_load[prev[0]] <= 0:
-                del self._local_load[prev[0]]
-
-    def _sweep_stale(self) -> None:
-        """Forget reservations of requests that never completed (cancelled before being sent)."""
-        now = time.monotonic()
-        if now - self._last_sweep < 10.0 and len(self._reserved) < _MAX_TRACKED:
-            return
-        self._last_sweep = now
-        for req_id in [k for k, (_, t) in self._reserved.items() if now - t > _RESERVATION_TTL_S]:
-            self._release(req_id)
-
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         """Rank 1: the policy's choice; rank 2: everyone else (Serve takes the least loaded of a rank)."""
@@ -156,7 +131,7 @@ class PrefixAwareRouter(RequestRouter):
         loads = [self._load(r) for r in candidate_replicas]
         decision = self._policy.decide(loads, chain, matches)
         req_id = pending_request.metadata.internal_request_id if pending_request is not None else None
-        prev = self._reserved.get(req_id) if req_id is not None else None
+        prev = self._reserved.worker_of(req_id) if req_id is not None else None
         if decision.reason == "cold_hash" and prev is None and self._claims and len(loads) > 1:
             # a new prefix: agree with the other routers on one worker, spreading new prefixes evenly (with
             # a single candidate there is nothing to agree on: no Redis round trip)
@@ -175,9 +150,9 @@ class PrefixAwareRouter(RequestRouter):
             self._metrics.record(decision.reason, decision.matched_chunks)
             if chain:
                 self._policy.record(chain, decision.replica_id)
-        if req_id is not None and (prev is None or prev[0] != decision.replica_id):
-            self._reserve(req_id, decision.replica_id)
-        self._sweep_stale()
+        if req_id is not None:
+            self._reserved.decided(req_id, decision.replica_id)
+        self._reserved.sweep()
         logger.debug("route %d chunks, matches %s -> %s", len(chain), matches, decision)
         chosen = by_id[decision.replica_id]
         rest = [by_id[rid] for rid in decision.ranking[1:] if rid in by_id]
@@ -185,14 +160,11 @@ class PrefixAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._ensure_state()
-        req_id = pending_request.metadata.internal_request_id
-        prev = self._reserved.get(req_id)
-        if prev is not None and prev[0] != replica_id.unique_id:  # Serve fell back to another rank
-            self._reserve(req_id, replica_id.unique_id)
+        self._reserved.routed(pending_request.metadata.internal_request_id, replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._ensure_state()
-        self._release(internal_request_id)
+        self._reserved.release(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
