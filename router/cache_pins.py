@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
+from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, template_chars
 from chunkserve.router.tenants import Tenant
 from chunkserve.workers.cache_control import TTL_SECONDS, PinSpec
 
@@ -51,7 +51,7 @@ async def cache_pin_spec(tenant: Tenant, req: CompletionRequest | ChatCompletion
                        param=f"messages.{index}.cache_control.ttl", code="invalid_value")
     msgs = req.template_messages()[:index + 1]
     try:
-        if sum(len(m["content"]) for m in msgs) > _THREAD_CHARS:
+        if template_chars(msgs) > _THREAD_CHARS:
             head = await asyncio.to_thread(encode_prefix, msgs)
         else:
             head = encode_prefix(msgs)

@@ -41,7 +41,7 @@ from chunkserve.router.cache_pins import cache_pin_spec, prefix_ids
 from chunkserve.router.engine_client import EngineClient, HandleEngineClient, engine_error_to_api
 from chunkserve.router.failover import ResumedText, rebased, resume_request
 from chunkserve.router.grpc_service import GrpcServiceMixin
-from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
+from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, template_chars
 from chunkserve.router.ratelimit import Admission, AdmissionLease, RateLimited, RateLimiter
 from chunkserve.router.server_metrics import ServerMetrics
 from chunkserve.router.tenants import AuthError, Tenant, TenantRegistry
@@ -168,7 +168,7 @@ class Ingress(GrpcServiceMixin):
         try:
             if isinstance(req, ChatCompletionRequest):
                 msgs = req.template_messages()
-                size = sum(len(m["content"]) for m in msgs)
+                size = template_chars(msgs)
                 fn, arg = self._encode_chat, msgs
             elif isinstance(req.prompt, str):
                 size, fn, arg = len(req.prompt), self._encode_text, req.prompt

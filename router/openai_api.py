@@ -185,6 +185,15 @@ class ChatCompletionRequest(_SamplingFields):
                 for m in self.messages]
 
 
+TEMPLATE_CHARS_PER_MESSAGE = 32  # a chat template's markup around each message (role, start and end tokens)
+
+
+def template_chars(messages: list[dict[str, str]]) -> int:
+    """About how many characters the chat template renders for ``messages``: their text plus each message's
+    markup, so that many short messages count as the long text they become."""
+    return sum(len(m["content"]) + TEMPLATE_CHARS_PER_MESSAGE for m in messages)
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = False
