@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -146,7 +146,7 @@ def create_app(ingress: Ingress) -> FastAPI:
         req = parse_request(await _read_body(request, max_body), CompletionRequest, max_body)
         prep = await ingress.prepare(tenant, req, ingress.new_request_id("cmpl"), received)
         if req.stream:
-            return await _start_stream(ingress, prep, _completion_events(ingress, prep))
+            return await _start_stream(request, ingress, prep, _completion_events(ingress, prep))
         text, _tokens, last = await _collect_unless_disconnected(request, ingress, prep)
         usage = usage_of(last)
         return JSONResponse(completion_response(prep.request.request_id, prep.model, prep.created, text,
@@ -159,7 +159,7 @@ def create_app(ingress: Ingress) -> FastAPI:
         req = parse_request(await _read_body(request, max_body), ChatCompletionRequest, max_body)
         prep = await ingress.prepare(tenant, req, ingress.new_request_id("chatcmpl"), received)
         if req.stream:
-            return await _start_stream(ingress, prep, _chat_events(ingress, prep))
+            return await _start_stream(request, ingress, prep, _chat_events(ingress, prep))
         text, _tokens, last = await _collect_unless_disconnected(request, ingress, prep)
         usage = usage_of(last)
         return JSONResponse(chat_response(prep.request.request_id, prep.model, prep.created, text,
@@ -187,16 +187,17 @@ class ClientDisconnected(Exception):
     """The client went away before a non-streaming response was ready."""
 
 
-async def _collect_unless_disconnected(request: Request, ingress: Ingress, prep: Prepared) -> Any:
-    """Runs a non-streaming request while watching the connection; a disconnect cancels the request,
-    which aborts it in the engine and frees its KV chunks."""
-    work = asyncio.ensure_future(ingress.collect(prep))
+async def _watch_disconnect(request: Request) -> None:
+    """Returns once the client has gone (the request body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # a server whose receive() never blocks must not spin the loop
 
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            await asyncio.sleep(0.05)  # a server whose receive() never blocks must not spin the loop
 
-    watcher = asyncio.ensure_future(watch())
+async def _unless_disconnected(request: Request, aw: Awaitable[Any]) -> Any:
+    """``aw``'s result while the client stays; a disconnect first cancels it (which aborts the request in the
+    engine and frees its KV chunks) and raises `ClientDisconnected`."""
+    work = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_watch_disconnect(request))
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -209,11 +210,18 @@ async def _collect_unless_disconnected(request: Request, ingress: Ingress, prep:
     return work.result()
 
 
-async def _start_stream(ingress: Ingress, prep: Prepared, events: AsyncIterator[bytes]) -> Response:
+async def _collect_unless_disconnected(request: Request, ingress: Ingress, prep: Prepared) -> Any:
+    """Runs a non-streaming request while watching the connection (`_unless_disconnected`)."""
+    return await _unless_disconnected(request, ingress.collect(prep))
+
+
+async def _start_stream(request: Request, ingress: Ingress, prep: Prepared, events: AsyncIterator[bytes]
+                        ) -> Response:
     """Waits for the first event so that errors before the first token still get a proper status code,
-    then streams the rest as SSE."""
+    then streams the rest as SSE. A client that leaves before the first event (a queued request it gave up
+    on) aborts the request, as a non-streaming one does."""
     try:
-        first = await events.__anext__()
+        first = await _unless_disconnected(request, events.__anext__())
     except StopAsyncIteration:
         first = b""
     except BaseException:

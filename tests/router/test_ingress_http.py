@@ -3,7 +3,9 @@ port, backed by the real in-process engine (a tiny random-weight Llama)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterator
 
@@ -305,6 +307,35 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_frees_its_kv_chunks
                                                           finished_reason="abort")._value.get()
     assert after == before + 1
     assert server.ingress.limiter.running("beta") == 0
+
+
+def test_client_that_leaves_a_stream_before_its_first_token_aborts_the_request(server):
+    """A queued streaming request whose client gives up is aborted at once, not run to its first token."""
+    ended = threading.Event()
+    engine = server.ingress.engine
+    real = engine.generate
+
+    async def queued(req, *args):  # type: ignore[no-untyped-def]  (the request waits 30 s for its first token)
+        try:
+            await asyncio.sleep(30)
+            async for d in real(req, *args):
+                yield d
+        finally:
+            ended.set()
+
+    engine.generate = queued
+    try:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
+        with pytest.raises(httpx2.ReadTimeout):
+            httpx2.post(server.http_url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-beta"},
+                        timeout=httpx2.Timeout(60, read=0.3))
+        assert ended.wait(5)  # cancelled with the connection: the engine request and its lease end with it
+        deadline = time.monotonic() + 5
+        while server.ingress.limiter.running("beta") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.ingress.limiter.running("beta") == 0
+    finally:
+        engine.generate = real
 
 
 def test_client_that_gives_up_on_a_non_streaming_request_aborts_it(server):
