@@ -121,17 +121,26 @@ class EngineCore:
         self.cache.begin_step()
         try:
             plan = self.scheduler.schedule()
+            ended = [self._ended(req) for req in plan.finished]
             if plan.empty:
-                return []
+                return ended
             logits, reqs = self.runner.run(plan)
         finally:
             self.cache.end_step()
         self.num_steps += 1
         if not reqs:
-            return []
+            return ended
         tokens, lps = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs],
                                           self.runner.sample_job)
-        return self._process(reqs, tokens, lps)
+        return ended + self._process(reqs, tokens, lps)
+
+    def _ended(self, req: Request) -> StepOutput:
+        """The last output of a request the scheduler ended (no new token; the text it held back)."""
+        self._requests.pop(req.request_id, None)
+        detok = self._detok.pop(req.request_id, None)
+        self.sampler.forget(req.request_id)
+        return StepOutput(req, [], detok.flush() if detok is not None else "", req.finish_reason,
+                          [] if req.params.logprobs else None)
 
     def _process(self, reqs: list[Request], tokens: list[int], lps: list[float]) -> list[StepOutput]:
         outs: list[StepOutput] = []

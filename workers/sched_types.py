@@ -94,6 +94,7 @@ class StepPlan:
     decode_ctx: object | None = None  # ChunkContext of the decode rows
     slot_chunks: list[int] = field(default_factory=list)  # per new token, in batch row order
     slot_offsets: list[int] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # ended by the scheduler: its context outgrew the pool
 
     @property
     def num_tokens(self) -> int:

@@ -18,7 +18,8 @@ step, not one filled with the heavy tenant's prompt pieces); it passes over such
 group's step because long prompts arrived before it. When a decode cannot get a slot a victim
 is preempted (its chunks released, so they stay cached) and requeued at its arrival position: the running
 request with the largest (tenant counter, arrival), never the oldest running request, so the oldest
-request always makes progress. Prefill pieces of running prompts and admissions share one order.
+request always makes progress; a request whose context outgrew the pool (no slot while it runs alone, or too long
+to readmit) ends with "length" instead. Prefill pieces of running prompts and admissions share one order.
 ``cache_control`` pins (`pins.py`) are taken when a request's prefill ends and released when they expire,
 checked at the start of each step. The records it fills (`Request`, `StepPlan`) are in `sched_types.py`.
 """
@@ -81,6 +82,7 @@ class Scheduler:
         self._seq = itertools.count()
         self.num_preemptions = 0
         self._preempted_now: set[int] = set()
+        self._ended: list[Request] = []  # ended in this step's planning ("length": the pool bounds them)
         self._slots: dict[int, tuple[int, int]] = {}
         self.fair = FairShare(FairnessConfig(enabled=config.fair_share, quantum=config.fair_quantum), clock)
         self.pins = PinManager(cache, config.max_pinned_fraction, clock)
@@ -192,6 +194,7 @@ class Scheduler:
                 hold = 1
             budget -= n
         self._plan_decode_batch(decodes, plan)
+        plan.finished, self._ended = self._ended, []
         return plan
 
     def _next_prefill(self, pending: list[Request], can_admit: bool, skipped: set[int] | frozenset[int] = frozenset()
@@ -269,15 +272,27 @@ class Scheduler:
                     break
                 except KVCacheFull:
                     victim = self._victim(req)
+                    if victim is req and len(self.running) == 1:  # alone, and the pool cannot hold one more token
+                        self._cannot_grow(req)
+                        break
                     self._preempt(victim)
                     if victim is req:
                         break
                     if victim in out:
                         out.remove(victim)
-            if id(req) not in self._preempted_now:
+            if id(req) not in self._preempted_now and req.status is not Status.FINISHED:
                 req.num_computed += 1
                 out.append(req)
         return out
+
+    def _cannot_grow(self, req: Request) -> None:
+        """``req``'s context does not fit the KV pool even alone: it ends with "length", as at the context length."""
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self._unqueue(req)
+        self.finish(req, "length")
+        self._ended.append(req)
 
     def _preempt(self, req: Request) -> None:
         self._preempted_now.add(id(req))
@@ -302,6 +317,11 @@ class Scheduler:
         # once the pool is otherwise empty); while others run, its own cached chunks are no room once it holds
         # them (counting them let a preempted request back in each step, to be preempted by the next decode)
         need_chunks = -(-(need_tokens - cached + 1) // c) + (1 if cached % c else 0)
+        usable = self.cache.pool.num_chunks - self.cache.num_pinned_chunks + self.cache.pinned_prefix_chunks(
+            tokens, req.salt)
+        if req.output and -(-(need_tokens + 1) // c) > usable:  # preempted past what the pool holds alone
+            self._cannot_grow(req)
+            return False
         room = self.cache.pool.num_free + self.cache.num_evictable - (held if self.running else 0)
         if need_chunks + self._reserved_chunks() > room:
             return False

@@ -170,6 +170,47 @@ def test_too_long_prompt_fails_alone_and_others_finish(hf_dir) -> None:
     assert finished == ["ok"]
 
 
+@pytest.mark.parametrize("preempted_first", [False, True])
+def test_a_request_that_outgrows_the_kv_pool_ends_with_length_and_the_queue_goes_on(hf_dir, preempted_first) -> None:
+    """A pool smaller than the context: a request whose output would not fit even alone ends with "length" where
+    the pool is full (it used to be preempted and never readmitted, holding every later request back)."""
+    path, _ = hf_dir
+    core = EngineCore(EngineConfig(model=path, chunk_size=16, num_kv_chunks=8, max_model_len=400))  # 128 tokens
+    long_params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    if preempted_first:  # an older request makes it the preemption victim once the pool fills
+        core.add_request("older", list(range(1, 40)), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    core.add_request("grows", list(range(1, 101)), long_params)
+    core.add_request("after", list(range(1, 16)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    ends: dict[str, tuple[str, int]] = {}
+    for _ in range(1000):
+        if not core.has_work():
+            break
+        for o in core.step():
+            if o.finish_reason:
+                ends[o.req.request_id] = (o.finish_reason, len(o.req.output))
+    assert not core.has_work()
+    reason, n_out = ends["grows"]
+    assert reason == "length" and 100 + n_out <= 8 * 16 + 1 and n_out < 100
+    assert ends["after"] == ("length", 4)  # its max_tokens
+    st = core.stats()
+    assert st["num_sequences"] == 0 and st["kv_chunks_used"] == 0
+
+
+def test_a_preempted_request_whose_context_no_longer_fits_the_pool_ends_instead_of_blocking_admission(hf_dir) -> None:
+    path, _ = hf_dir
+    core = EngineCore(EngineConfig(model=path, chunk_size=16, num_kv_chunks=8, max_model_len=400))  # 128 tokens
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    req = core.add_request("preempted", list(range(1, 101)), params)
+    req.output = list(range(1, 41))  # as if preempted after 40 tokens (pins since took the pool's room, say)
+    core.add_request("next", list(range(1, 16)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    outs = core.step()
+    assert [(o.finish_reason, o.token_ids) for o in outs if o.req.request_id == "preempted"] == [("length", [])]
+    ends = {o.req.request_id: o.finish_reason for o in outs if o.finish_reason and o.req.request_id != "preempted"}
+    while core.has_work():
+        ends.update({o.req.request_id: o.finish_reason for o in core.step() if o.finish_reason})
+    assert ends == {"next": "length"}
+
+
 def test_seeded_sampling_is_reproducible_and_stop_token_ids_stop(hf_dir) -> None:
     path, _ = hf_dir
     llm = LLM(model=path, chunk_size=16, num_kv_chunks=64)
