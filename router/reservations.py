@@ -5,7 +5,9 @@ tasks see each other's choices before any request is sent; Serve's `on_request_c
 calls that hook only for requests it sent: one cancelled while it waited for a free replica (a client that gave
 up under overload) is never completed. So a reservation that Serve has not yet routed expires after
 ``unrouted_ttl_s`` since its last decision (Serve decides again, refreshing it, while it waits), and a routed
-one after ``routed_ttl_s`` (its completion lost). Ray-free, so it is tested without Serve.
+one after ``routed_ttl_s`` (its completion lost). Serve reports the routing (`on_request_routed`) only where it
+sends with rejection (its default; not through Ray Client), so until a first report every reservation counts
+as routed. Ray-free, so it is tested without Serve.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Reservations:
         self._unrouted_ttl, self._routed_ttl = unrouted_ttl_s, routed_ttl_s
         self._max, self._every, self._clock = max_tracked, sweep_every_s, clock
         self._last_sweep = clock()
+        self._reports = False  # whether Serve reports routing at all (see the module docstring)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -51,6 +54,7 @@ class Reservations:
 
     def routed(self, req_id: str, worker_id: str) -> None:
         """Serve sent the request to ``worker_id`` (it may have fallen back to another rank)."""
+        self._reports = True
         e = self._entries.get(req_id)
         if e is None or e.worker_id != worker_id:
             self._count(req_id, worker_id, routed=True)
@@ -71,7 +75,7 @@ class Reservations:
             return
         self._last_sweep = now
         stale = [k for k, e in self._entries.items()
-                 if now - e.at > (self._routed_ttl if e.routed else self._unrouted_ttl)]
+                 if now - e.at > (self._routed_ttl if e.routed or not self._reports else self._unrouted_ttl)]
         for req_id in stale:
             self.release(req_id)
 

@@ -49,3 +49,15 @@ def test_a_request_cancelled_before_serve_sent_it_stops_counting_after_the_unrou
     clock.t = 700.0
     res.sweep()
     assert len(res) == 0 and not res.load  # a routed request whose completion was lost, after 600 s
+
+
+def test_without_routing_reports_from_serve_every_reservation_lasts_the_routed_ttl():
+    clock = Clock()
+    res = Reservations(unrouted_ttl_s=30.0, routed_ttl_s=600.0, sweep_every_s=10.0, clock=clock)
+    res.decided("long-stream", "a")  # Serve without rejection never calls on_request_routed
+    clock.t = 300.0
+    res.sweep()
+    assert res.worker_of("long-stream") == "a"
+    clock.t = 700.0
+    res.sweep()
+    assert res.worker_of("long-stream") is None
