@@ -327,10 +327,9 @@ class AsyncEngine:
                 clock.end()
                 logger.exception("engine step failed")
                 failed = []
-                for req in list(core.scheduler.running) + list(core.scheduler.waiting):
-                    core.abort(req.request_id)
-                    self._tenants.pop(req.request_id, None)
-                    failed.append((req.request_id, EngineStepError(f"engine step failed: {e}")))
+                for rid in core.failed_requests:  # the core dropped them all (and emptied its cache)
+                    self._tenants.pop(rid, None)
+                    failed.append((rid, EngineStepError(f"engine step failed: {e}")))
                 self._deliver(failed)
                 continue
             last_step_s = clock.end()  # the step's wall time (lent threads follow short ones only)

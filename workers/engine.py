@@ -64,6 +64,7 @@ class EngineCore:
             staging, [r.request_id for r in reqs], [r.params for r in reqs], vocab)
         self.eos_ids = set(mc.eos_token_ids)
         self._requests: dict[str, Request] = {}
+        self.failed_requests: list[str] = []  # the requests the last step dropped when it failed
         self._detok: dict[str, Detokenizer] = {}
         self.num_steps = 0
         self.prompt_tokens_total = 0
@@ -118,21 +119,38 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StepOutput]:
-        self.cache.begin_step()
+        """One engine step. If it raises (planning, the forward or sampling), every request is dropped (their ids
+        in ``failed_requests``) and the cache is emptied before the error propagates: the step had already put the
+        chunks it was to write into the prefix tree, and a later request must not reuse K/V never written."""
+        self.failed_requests = []
+        ended: list[StepOutput] = []
         try:
-            plan = self.scheduler.schedule()
-            ended = [self._ended(req) for req in plan.finished]
-            if plan.empty:
+            self.cache.begin_step()
+            try:
+                plan = self.scheduler.schedule()
+                ended = [self._ended(req) for req in plan.finished]
+                if plan.empty:
+                    return ended
+                logits, reqs = self.runner.run(plan)
+            finally:
+                self.cache.end_step()
+            self.num_steps += 1
+            if not reqs:
                 return ended
-            logits, reqs = self.runner.run(plan)
-        finally:
-            self.cache.end_step()
-        self.num_steps += 1
-        if not reqs:
-            return ended
-        tokens, lps = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs],
-                                          self.runner.sample_job)
-        return ended + self._process(reqs, tokens, lps)
+            tokens, lps = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs],
+                                              self.runner.sample_job)
+            return ended + self._process(reqs, tokens, lps)
+        except BaseException:
+            self._drop_everything([out.req.request_id for out in ended])
+            raise
+
+    def _drop_everything(self, also: list[str]) -> None:
+        """After a failed step: abort every request, release every pin, evict every chunk (events included)."""
+        self.failed_requests = list(self._requests) + also
+        for rid in list(self._requests):
+            self.abort(rid)
+        self.scheduler.pins.release_all()
+        self.cache.clear()
 
     def _ended(self, req: Request) -> StepOutput:
         """The last output of a request the scheduler ended (no new token; the text it held back)."""

@@ -152,6 +152,19 @@ class PinManager:
         self._next_expiry = nxt
         return done
 
+    def release_all(self) -> int:
+        """Release every pin now (counted as expired); -> how many. After a failed step (`EngineCore.step`)."""
+        done = len(self._pins)
+        for pin in self._pins.values():
+            self.tree.unpin(pin.handle)
+            t = self._tenant(pin.tenant)
+            t.pinned_tokens -= pin.num_tokens
+            t.pins -= 1
+            t.expired += 1
+        self._pins.clear()
+        self._next_expiry = float("inf")
+        return done
+
     def pinned_hashes(self) -> list[int]:
         """Chain hashes of every pinned chunk (for the cluster index's pin marks)."""
         return [n.hash for n in list(self.tree._nodes.values()) if n.pinned and n.hash is not None]

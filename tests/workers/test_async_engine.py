@@ -12,7 +12,7 @@ import pytest
 
 from chunkserve.workers.async_engine import AsyncEngine
 from chunkserve.workers.async_engine import EngineError as ReExportedEngineError
-from chunkserve.workers.engine import EngineConfig
+from chunkserve.workers.engine import EngineConfig, EngineCore
 from chunkserve.workers.protocol import (
     EngineDeadError,
     EngineError,
@@ -225,6 +225,42 @@ def test_a_failing_step_fails_its_requests_with_engine_step_error() -> None:
         assert eng.core.stats()["num_sequences"] == 0
     finally:
         eng.shutdown()
+
+
+def test_a_failed_step_leaves_no_unwritten_chunk_for_a_retry_to_reuse() -> None:
+    """The step puts its new chunks in the prefix tree before the forward writes them: after a failed forward
+    a retry of the same prompt must not read them (it used to get 40 'cached' tokens of garbage)."""
+    core = EngineCore(EngineConfig(model="random:tiny", chunk_size=16, num_kv_chunks=8, max_model_len=256,
+                                   num_threads=1))
+    prompt = [(37 * i) % 199 + 1 for i in range(40)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+
+    def run(rid: str) -> tuple[list[int], int | None]:
+        req = core.add_request(rid, prompt, greedy)
+        out: list[int] = []
+        while core.has_work():
+            out += [t for o in core.step() for t in o.token_ids]
+        return out, req.num_cached
+
+    reference, _ = run("ref")
+    core.cache.clear()
+    core.cache.k_pool.normal_(0, 3)  # what a chunk holds before the forward writes it
+    core.cache.v_pool.normal_(0, 3)
+    core.add_request("doomed", prompt, greedy)
+    core.add_request("queued", [5, 6, 7], greedy)
+    real = core.runner.run
+
+    def boom(plan):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the forward failed")
+
+    core.runner.run = boom  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        core.step()
+    core.runner.run = real  # type: ignore[method-assign]
+    assert sorted(core.failed_requests) == ["doomed", "queued"] and not core.has_work()
+    st = core.stats()
+    assert st["kv_chunks_used"] == 0 and st["kv_chunks_cached"] == 0
+    assert run("retry") == (reference, 0)
 
 
 def test_a_shut_down_engine_fails_running_and_new_requests_with_engine_dead_error() -> None:
