@@ -16,13 +16,14 @@ request is served unpinned).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from chunkserve.workers.cache_control import PinSpec
 from chunkserve.workers.prefix_tree import PrefixTree
+from chunkserve.workers.sched_types import Request
 
 
 @dataclass
@@ -79,8 +80,9 @@ class PinManager:
                 return key, unpinned
         return None, unpinned
 
-    def check(self, tenant: str, salt: bytes, prompt: list[int], spec: PinSpec) -> str | None:
-        """Why this pin would be refused now (quota or pool), or None if it fits (or renews a pin)."""
+    def check(self, tenant: str, salt: bytes, prompt: list[int], spec: PinSpec, room_needed: int = 0) -> str | None:
+        """Why this pin would be refused now (quota, pool, or it would leave fewer than ``room_needed`` chunks
+        unpinned: a queued request needs them), or None if it fits (or renews a pin)."""
         n = self._chunks(prompt, spec)
         if n == 0:
             return None
@@ -95,14 +97,17 @@ class PinManager:
         if self.tree.num_pinned_chunks + unpinned > self.max_pinned_chunks:
             return (f"the KV pool is full of pins: {self.tree.num_pinned_chunks} of at most "
                     f"{self.max_pinned_chunks} chunks pinned, this pin needs {unpinned} more")
+        if self.tree.pool.num_chunks - self.tree.num_pinned_chunks - unpinned < room_needed:
+            return f"the pin would leave a queued request of {room_needed} chunks no room in the KV pool"
         return None
 
-    def pin(self, tenant: str, salt: bytes, prompt: list[int], spec: PinSpec) -> int:
-        """Pin (or renew) the prefix, whose chunks must be in the tree; -> tokens pinned (0: refused)."""
+    def pin(self, tenant: str, salt: bytes, prompt: list[int], spec: PinSpec, room_needed: int = 0) -> int:
+        """Pin (or renew) the prefix, whose chunks must be in the tree; -> tokens pinned (0: refused; see
+        `check` for ``room_needed``)."""
         n = self._chunks(prompt, spec)
         if n == 0:
             return 0
-        if self.check(tenant, salt, prompt, spec) is not None:
+        if self.check(tenant, salt, prompt, spec, room_needed) is not None:
             self._tenant(tenant).refused += 1
             return 0
         c = self.tree.chunk_size
@@ -127,6 +132,21 @@ class PinManager:
         t.created += 1
         self._next_expiry = min(self._next_expiry, expires)
         return pin.num_tokens
+
+    def take(self, req: Request, waiting: Sequence[Request]) -> None:
+        """``req``'s prompt chunks are all in the tree now: pin (or renew) its marked prefix once, unless that would
+        leave a queued request (admitted to the queue when there were fewer pins) no room; refused, it runs
+        unpinned."""
+        spec = req.pin
+        if spec is None or req.pinned_tokens:
+            return
+        c = self.tree.chunk_size
+        room = max((-(-(r.prefill_len + 1 + bool(r.output)) // c) for r in waiting), default=0)
+        got = self.pin(req.tenant, req.salt, req.prompt, spec, room_needed=room)
+        req.pinned_tokens = got
+        req.cache_creation_tokens = max(0, got - (req.num_cached or 0)) if got else 0
+        if not got:
+            req.pin = None  # refused now (the pool's pin share filled up meanwhile): served unpinned
 
     def refused(self, tenant: str) -> None:
         self._tenant(tenant).refused += 1

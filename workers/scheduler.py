@@ -312,11 +312,11 @@ class Scheduler:
             need_tokens += 1
         cached, held = self.cache.match_held(tokens, req.salt)
         c = self.cache.chunk_size
-        # the rest of the prompt plus the first decode slot, and a copy-on-write of a partly cached chunk
-        # (the same bound as the engine's KVPoolTooSmallError check, so a request that passed it is admitted
-        # once the pool is otherwise empty); while others run, its own cached chunks are no room once it holds
-        # them (counting them let a preempted request back in each step, to be preempted by the next decode)
-        need_chunks = -(-(need_tokens - cached + 1) // c) + (1 if cached % c else 0)
+        # the rest of the prompt plus the first decode slot, a partly cached chunk's tokens copied into the first
+        # new chunk (so never more than the engine's KVPoolTooSmallError bound: a request that passed it is
+        # admitted once the pool is otherwise empty); while others run, its own cached chunks are no room once it
+        # holds them (counting them let a preempted request back in each step, to be preempted by the next decode)
+        need_chunks = -(-(need_tokens + 1 - cached // c * c) // c)
         usable = self.cache.pool.num_chunks - self.cache.num_pinned_chunks + self.cache.pinned_prefix_chunks(
             tokens, req.salt)
         if req.output and -(-(need_tokens + 1) // c) > usable:  # preempted past what the pool holds alone
@@ -326,7 +326,10 @@ class Scheduler:
         if need_chunks + self._reserved_chunks() > room:
             return False
         # A fully cached prompt stays shared: its last token then runs as a logits-only row (no K/V write).
-        req.seq_id, got = self.cache.reserve(tokens, req.salt)
+        try:
+            req.seq_id, got = self.cache.reserve(tokens, req.salt)
+        except KVCacheFull:  # the partly cached chunk to copy from was the only room: reuse whole chunks only
+            req.seq_id, got = self.cache.reserve(tokens, req.salt, max_cached=cached // c * c)
         if req.num_cached is None:
             req.num_cached = got
         req.num_computed = got
@@ -355,7 +358,7 @@ class Scheduler:
                 return 0
             plan.prefills.append(PrefillPiece(req, len(tokens) - 1, tokens[-1:], True, write=False))
             self.fair.charge(req.tenant, prefill=1)
-            self._take_pin(req)
+            self.pins.take(req, self.waiting)
             return 1
         try:
             chunks, offsets = self.cache.extend_host(req.sid, n)  # host arrays: no device access
@@ -367,7 +370,7 @@ class Scheduler:
         ends = req.num_computed == len(tokens)
         self.fair.charge(req.tenant, prefill=n)
         if ends:
-            self._take_pin(req)
+            self.pins.take(req, self.waiting)
         plan.prefills.append(PrefillPiece(req, start, tokens[start:start + n], ends and not req.output))
         plan.slot_chunks += chunks.tolist()
         plan.slot_offsets += offsets.tolist()
@@ -385,17 +388,6 @@ class Scheduler:
             chunk, offset = self._slots[id(req)]
             plan.slot_chunks.append(chunk)
             plan.slot_offsets.append(offset)
-
-    def _take_pin(self, req: Request) -> None:
-        """The prompt's chunks are all in the tree now: pin (or renew) the marked prefix once."""
-        spec = req.pin
-        if spec is None or req.pinned_tokens:
-            return
-        got = self.pins.pin(req.tenant, req.salt, req.prompt, spec)
-        req.pinned_tokens = got
-        req.cache_creation_tokens = max(0, got - (req.num_cached or 0)) if got else 0
-        if not got:
-            req.pin = None  # refused now (the pool's pin share filled up meanwhile): served unpinned
 
     def stats(self) -> dict[str, Any]:
         """Per tenant: served prefill/decode tokens, queueing time, share, pinned tokens, pins expired."""

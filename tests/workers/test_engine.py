@@ -211,6 +211,24 @@ def test_a_preempted_request_whose_context_no_longer_fits_the_pool_ends_instead_
     assert ends == {"next": "length"}
 
 
+def test_a_prompt_that_fills_the_pool_is_admitted_though_its_first_tokens_match_part_of_a_cached_chunk() -> None:
+    """Admission counted the partly matching chunk's copy as one chunk more than the request uses, so a prompt
+    that fits the pool exactly waited forever once a chat sharing its first tokens was cached."""
+    core = EngineCore(EngineConfig(model="random:tiny", chunk_size=16, num_kv_chunks=8, max_model_len=256,
+                                   num_threads=1))
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    head = [1, 2, 3, 4, 5]  # e.g. a chat template's first tokens
+    core.add_request("warm", head + list(range(100, 120)), one)
+    while core.has_work():
+        core.step()
+    big = core.add_request("big", head + list(range(200, 322)), one)  # 127 tokens + 1: the whole pool
+    for _ in range(50):
+        if not core.has_work():
+            break
+        core.step()
+    assert big.finish_reason == "length" and len(big.output) == 1 and big.num_cached == 5
+
+
 def test_seeded_sampling_is_reproducible_and_stop_token_ids_stop(hf_dir) -> None:
     path, _ = hf_dir
     llm = LLM(model=path, chunk_size=16, num_kv_chunks=64)

@@ -134,3 +134,28 @@ def test_a_request_over_its_own_pinned_prefix_is_not_refused_for_the_pinned_room
     while core.has_work():
         core.step()
     assert req.num_cached == 128 and len(req.output) == 1
+
+
+def test_a_pin_that_would_leave_a_queued_request_no_room_is_refused_and_the_request_runs():
+    """A request queued before a pin was taken passed the pool check with the pool as it was; the pin must not
+    take the room it needs (it used to wait for the pin to expire, up to an hour)."""
+    from chunkserve.workers.cache_control import PinSpec
+    from chunkserve.workers.engine import EngineConfig, EngineCore
+    from chunkserve.workers.sampling import SamplingParams
+
+    core = EngineCore(EngineConfig(model="random:tiny", chunk_size=16, num_kv_chunks=8, max_model_len=256,
+                                   num_threads=1))
+    two = SamplingParams(max_tokens=2, temperature=0.0)
+    pinned = core.add_request("P", list(range(1, 71)), two,  # marks 64 tokens: 4 chunks, the pool's pin share
+                              cache_pin=PinSpec(num_tokens=64, ttl_s=300, quota_tokens=10_000))
+    core.add_request("L", list(range(500, 600)), two)  # 7 chunks: fits the pool as long as nothing is pinned
+    ends = {}
+    for _ in range(40):
+        ends.update({o.req.request_id: o.finish_reason for o in core.step() if o.finish_reason})
+    assert ends == {"P": "length", "L": "length"}
+    assert pinned.pinned_tokens == 0 and core.scheduler.pins.tenants["public"].refused == 1
+    alone = core.add_request("P2", list(range(1, 71)), two,
+                             cache_pin=PinSpec(num_tokens=64, ttl_s=300, quota_tokens=10_000))
+    while core.has_work():
+        core.step()
+    assert alone.pinned_tokens == 64  # with nothing queued the same pin is taken
