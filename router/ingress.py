@@ -274,7 +274,9 @@ class Ingress(GrpcServiceMixin):
             while True:
                 req = prep.request if attempt == 0 else resume_request(prep.request, sent, attempt)
                 base = len(sent)
-                resumed = ResumedText(self.tokenizer, req.sampling.stop, "".join(texts), sent) if attempt else None
+                # mid-stream, the resumed deltas are counted as the original request's; before the first token the
+                # new attempt is the request itself, with its own cached tokens and first-token time
+                resumed = ResumedText(self.tokenizer, req.sampling.stop, "".join(texts), sent) if sent else None
                 try:
                     async with aclosing(self.engine.generate(req, prep.chunk_hashes)) as agen:
                         async for d in agen:

@@ -132,11 +132,13 @@ def test_a_request_whose_worker_dies_before_the_first_token_is_resent_unchanged(
         dead = AsyncEngine(ECFG)
         dead.shutdown()  # the first worker is gone before the request reaches it
         survivor = AsyncEngine(ECFG)
+        await _run(_ingress(LocalEngineClient(survivor), survivor), 1, temperature=0.0)  # the prompt is cached there
         client = DyingClient([dead, survivor], kill_after={})
         ing = _ingress(client, survivor)
-        got, _, _ = await _run(ing, 8, temperature=0.0)
+        got, last, _ = await _run(ing, 8, temperature=0.0)
         survivor.shutdown()
         assert got == want
+        assert last.num_cached_tokens > 0  # the survivor's reuse is what the usage reports (it read 0)
         assert client.calls[1].prompt_token_ids == tuple(PROMPT) and client.calls[1].sampling.seed_offset == 0
         assert _failovers(ing, "before_first_token") == 1.0
 
