@@ -190,6 +190,10 @@ class GrpcServiceMixin:
         except APIError as e:
             self.metrics.error(e.status)
             raise _set_error(grpc_context, e) from None
+        except Exception:  # as in Generate: INTERNAL "internal error", never a class name
+            logger.exception("gRPC GenerateStream failed before its first message")
+            self.metrics.error(500)
+            raise _set_error(grpc_context, APIError(500, "internal error", "server_error")) from None
         rid = request.request_id or prep.request.request_id
         last = None
         try:

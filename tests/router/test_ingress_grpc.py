@@ -157,3 +157,21 @@ def test_cancelled_stream_aborts_the_request_and_frees_its_kv_chunks(server, stu
     aborted = server.ingress.metrics.request_success.labels(model_name=MODEL, tenant="beta",
                                                             finished_reason="abort")._value.get()
     assert aborted == 1
+
+
+@pytest.mark.parametrize("kind", ["unary", "stream"])
+def test_an_unexpected_failure_before_the_first_message_is_internal_with_a_plain_message(server, stub, kind):
+    ingress = server.ingress
+    real = ingress.prepare
+
+    async def broken(*args, **kwargs):  # type: ignore[no-untyped-def]  (a bug in admission, say)
+        raise KeyError("secret_internal_name")
+
+    ingress.prepare = broken
+    try:
+        call = stub.Generate if kind == "unary" else stub.GenerateStream
+        err = _code(call, req(prompt="hello"), metadata=md(), timeout=60)
+    finally:
+        ingress.prepare = real
+    assert err.code() == grpc.StatusCode.INTERNAL
+    assert err.details() == "internal error" and "KeyError" not in err.details()
