@@ -262,7 +262,7 @@ def launch(cfg: AppConfig, opts: LaunchOptions | None = None) -> int:
                     break
             drain(cfg.drain_grace_s, redis_url, cfg.namespace)
         finally:
-            shutdown()
+            shutdown(joined=bool(opts.address))
     print("chunkserve stopped.", flush=True)
     return 0
 
@@ -290,13 +290,20 @@ def drain(grace_s: float, redis_url: str | None = None, namespace: str = DEFAULT
     print(f"drained in {time.monotonic() - t0:.1f} s", flush=True)
 
 
-def shutdown() -> None:
+def shutdown(joined: bool = False) -> None:
+    """Stops Serve and disconnects from Ray (stopping the Ray started here). ``joined`` (`--address`: a cluster
+    that others share): only chunkserve's app is deleted; Serve and the other apps keep running."""
     import ray
     from ray import serve
 
     try:
         if ray.is_initialized():
-            serve.shutdown()
+            if joined:
+                from chunkserve.router.app import APP_NAME
+
+                serve.delete(APP_NAME, _blocking=True)
+            else:
+                serve.shutdown()
     except Exception as e:  # shutting down must go on
         logger.warning("serve shutdown: %s", e)
     finally:

@@ -62,3 +62,19 @@ def test_front_haproxy_turns_on_rays_haproxy_mode_with_free_side_ports_and_a_sho
     assert launcher.ray_env_vars("redis://x:1/0", "haproxy")["RAY_SERVE_HAPROXY_STATS_PORT"] == "8404"
     args = launcher.parse_args(["--front", "haproxy"])
     assert launcher.launch_options(args).front == "haproxy"
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_stopping_after_joining_a_shared_cluster_deletes_only_chunkserves_app(
+        monkeypatch: pytest.MonkeyPatch, joined: bool) -> None:
+    import ray
+    from ray import serve
+
+    calls: list[str] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(serve, "delete", lambda name, _blocking=True: calls.append(f"serve.delete {name}"))
+    launcher.shutdown(joined=joined)
+    # --address: Serve and the other apps of the shared cluster keep running; ray.shutdown only disconnects
+    assert calls == (["serve.delete chunkserve", "ray.shutdown"] if joined else ["serve.shutdown", "ray.shutdown"])
