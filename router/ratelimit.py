@@ -68,7 +68,7 @@ class TokenBucket:
 
     def level(self) -> float:
         now = self._clock()
-        self._level = min(self.capacity, self._level + (now - self._t) * self.rate)
+        self._level = min(self.capacity, self._level + max(0.0, now - self._t) * self.rate)  # never drains
         self._t = now
         return self._level
 

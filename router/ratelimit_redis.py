@@ -44,7 +44,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function refilled(lf, tf, rate, cap)
   local lvl, ts = tonumber(redis.call('HGET', KEYS[1], lf)), tonumber(redis.call('HGET', KEYS[1], tf))
   if lvl == nil then return cap end
-  return math.min(cap, lvl + (now - ts) / 1000 * rate)
+  return math.min(cap, lvl + math.max(0, now - ts) / 1000 * rate)  -- a clock stepped back refills nothing
 end
 local function store(lf, tf, lvl, rate, cap)
   redis.call('HSET', KEYS[1], lf, tostring(lvl), tf, now)

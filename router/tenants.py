@@ -55,7 +55,9 @@ class RateLimitConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    requests_per_second: float | None = Field(default=None, gt=0)
+    # finite and within reason: an infinite rate broke the limiter at start, a subnormal one gave an infinite
+    # Retry-After (a 500 instead of a 429)
+    requests_per_second: float | None = Field(default=None, ge=1e-6, le=1e9, allow_inf_nan=False)
     burst_requests: int | None = Field(default=None, ge=1)  # default: max(1, ceil(requests_per_second))
     tokens_per_minute: int | None = Field(default=None, ge=1)
 

@@ -86,6 +86,9 @@ def test_open_mode_has_one_public_tenant_and_logs_it(caplog):
     _cfg(id="bad id"),
     _cfg(max_concurrent_requests=0),
     _cfg(rate_limit={"requests_per_second": 0}),
+    _cfg(rate_limit={"requests_per_second": float("inf")}),  # broke the limiter at start
+    _cfg(rate_limit={"requests_per_second": float("nan")}),
+    _cfg(rate_limit={"requests_per_second": 5e-324}),  # an infinite Retry-After: a 500 instead of a 429
     _cfg(rate_limit={"rps": 1}),
     _cfg(rate_limit={"burst_requests": 5}),
     {"tenants": [{"id": "a", "api_key_sha256": [hash_api_key("k")]},
@@ -133,6 +136,16 @@ def test_token_bucket_refills_at_its_rate():
     clk.t += 100
     assert b.level() == pytest.approx(4.0)  # capped
     assert b.wait_time(100) == 0  # amounts above the capacity pass once the bucket is full
+
+
+def test_a_clock_stepped_back_does_not_drain_the_bucket():
+    clk = FakeClock()
+    clk.t = 3600.0
+    b = TokenBucket(rate=20.0, capacity=4, clock=clk)
+    clk.t -= 3600.0  # an hour back (an NTP step, another host's clock)
+    assert b.level() == pytest.approx(4.0) and b.wait_time(1) == 0
+    clk.t += 0.05
+    assert b.level() == pytest.approx(4.0)
 
 
 def _limiter(clk, **over):
