@@ -289,9 +289,17 @@ def main(argv: list[str] | None = None) -> int:
         key = args.key
         if key is None:
             key = sys.stdin.readline().strip() if not sys.stdin.isatty() else getpass.getpass("API key: ")
-        print(hash_api_key(key))
+        try:
+            print(hash_api_key(key))
+        except ValueError as e:
+            print(f"chunkserve tenants hash-key: {e}", file=sys.stderr)
+            return 2
         return 0
-    reg = load_tenants(args.file)
+    try:
+        reg = load_tenants(args.file)
+    except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError; it names the bad field
+        print(f"chunkserve tenants check: {args.file}: {e}", file=sys.stderr)
+        return 1
     for t in reg.tenants.values():
         print(f"{t.id}\tscope={t.cache_scope}\tmax_concurrent={t.max_concurrent_requests}\t"
               f"rps={t.rate_limit.requests_per_second}\ttpm={t.rate_limit.tokens_per_minute}")

@@ -125,6 +125,19 @@ def test_cli_hash_key_prints_the_digest(capsys):
     assert capsys.readouterr().out.strip() == hash_api_key("sk-x")
 
 
+def test_cli_check_and_hash_key_report_bad_input_without_a_traceback(tmp_path, capsys):
+    assert main(["check", str(tmp_path / "missing.yaml")]) == 1
+    assert "missing.yaml" in capsys.readouterr().err
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert main(["check", str(empty)]) == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"tenants": [{"id": "a", "api_key_sha256": ["not-a-hash"]}]}))
+    assert main(["check", str(bad)]) == 1
+    assert "api_key_sha256" in capsys.readouterr().err
+    assert main(["hash-key", ""]) == 2
+
+
 def test_token_bucket_refills_at_its_rate():
     clk = FakeClock()
     b = TokenBucket(rate=2.0, capacity=4, clock=clk)
