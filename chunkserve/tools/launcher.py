@@ -101,10 +101,19 @@ def app_config(args: argparse.Namespace) -> AppConfig:
 
     base: dict[str, Any] = {}
     if args.config:
-        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        try:
+            loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{args.config} is not valid YAML: {e}") from None
         if isinstance(loaded, dict) and loaded.get("applications"):  # a Serve config file
-            loaded = loaded["applications"][0]
-        base = dict(loaded.get("args", loaded)) if isinstance(loaded, dict) else {}
+            apps = loaded["applications"]
+            loaded = apps[0] if isinstance(apps, list) and apps else None
+        loaded = loaded.get("args", loaded) if isinstance(loaded, dict) else loaded
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{args.config}: expected a mapping of AppConfig fields (or a Serve config file)")
+        base = dict(loaded)
+    if not isinstance(base.get("engine", {}), dict):
+        raise ValueError("engine: expected a mapping of EngineConfig fields")
     if args.workers is not None:
         base["workers"] = args.workers
     if args.model is not None:
@@ -112,7 +121,10 @@ def app_config(args: argparse.Namespace) -> AppConfig:
     if args.tenants is not None:
         base["tenants"] = args.tenants
     if args.engine:
-        base["engine"] = {**base.get("engine", {}), **json.loads(args.engine)}
+        engine = json.loads(args.engine)  # a JSONDecodeError is a ValueError
+        if not isinstance(engine, dict):
+            raise ValueError(f"--engine: expected a JSON object of EngineConfig fields, got {args.engine!r}")
+        base["engine"] = {**base.get("engine", {}), **engine}
     for key in ("dtype", "quantization"):
         if getattr(args, key) is not None:
             base["engine"] = {**base.get("engine", {}), key: getattr(args, key)}

@@ -28,6 +28,29 @@ def test_misspelt_engine_flag_exits_2_naming_the_field(capsys: pytest.CaptureFix
     assert "invalid configuration" in err and "engine.chunk_sise" in err
 
 
+@pytest.mark.parametrize("config,engine,fragment", [
+    ("workers: [2\n", None, "not valid YAML"),
+    ("- just\n- a list\n", None, "expected a mapping"),
+    ("engine: null\nworkers: 2\n", None, "engine"),
+    ("applications: []\n", None, "applications"),
+    (None, "[1]", "JSON object"),
+    (None, "{not json", "invalid configuration"),
+])
+def test_a_malformed_config_or_engine_flag_exits_2_with_a_message(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], config: str | None, engine: str | None,
+        fragment: str) -> None:
+    argv: list[str] = []
+    if config is not None:
+        path = tmp_path / "app.yaml"
+        path.write_text(config)
+        argv += ["--config", str(path)]
+    if engine is not None:
+        argv += ["--engine", engine]
+    assert launcher.main(argv) == 2  # no traceback: the launcher never starts
+    err = capsys.readouterr().err
+    assert "invalid configuration" in err and fragment in err
+
+
 def test_start_refuses_a_config_without_a_redis_url() -> None:
     from chunkserve.router.app import AppConfig
 
