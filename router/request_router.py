@@ -37,14 +37,15 @@ CHAIN_KWARG = "chunk_hashes"
 
 
 def extract_chain(pending_request: PendingRequest | None, max_chunks: int) -> list[int]:
-    """The chunk hash chain carried by a request (empty when there is none or it is malformed)."""
+    """The chunk hash chain carried by a request (empty when there is none or it is malformed: a chain hash is a
+    64-bit unsigned integer, `cluster/hashing.py`)."""
     if pending_request is None:
         return []
     chain: Any = pending_request.kwargs.get(CHAIN_KWARG) if pending_request.kwargs else None
     if chain is None and pending_request.args:
         first = pending_request.args[0]
         chain = first.get(CHAIN_KWARG) if isinstance(first, dict) else getattr(first, CHAIN_KWARG, None)
-    if not isinstance(chain, list | tuple) or not all(isinstance(h, Integral) and int(h) >= 0 for h in chain):
+    if not isinstance(chain, list | tuple) or not all(isinstance(h, Integral) and 0 <= int(h) < 1 << 64 for h in chain):
         return []
     return [int(h) for h in chain[:max_chunks]]
 

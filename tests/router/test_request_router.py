@@ -101,6 +101,8 @@ def test_extract_chain_reads_kwarg_attribute_and_dict() -> None:
     assert extract_chain(Req([Prompt()], {}), 8) == [5, 6, 7]  # type: ignore[arg-type]
     assert extract_chain(Req([{"chunk_hashes": [9]}], {}), 8) == [9]  # type: ignore[arg-type]
     assert extract_chain(Req(["text"], {"chunk_hashes": ["x"]}), 8) == []  # type: ignore[arg-type]
+    assert extract_chain(Req([], {"chunk_hashes": [1, 1 << 64]}), 8) == []  # type: ignore[arg-type]  (not a hash)
+    assert extract_chain(Req([], {"chunk_hashes": [(1 << 64) - 1]}), 8) == [(1 << 64) - 1]  # type: ignore[arg-type]
 
 
 def _run_tenants(handle: Any, tenants: list[list[int]], n: int) -> tuple[dict[int, list[str]], float]:
