@@ -180,7 +180,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--users", type=int, default=4, help="locust users (Poisson sources)")
     ap.add_argument("--max-inflight", type=int, default=16, help="open requests per user at most")
     ap.add_argument("--max-minutes", type=float, default=16.0, help="stop starting new rates after this")
-    ap.add_argument("--systems", default="off,on", help="on, off or both")
+    ap.add_argument("--systems", default="off,on", help="on, off, both, or a comma list (default off,on)")
     ap.add_argument("--engine", default=None, help="extra EngineConfig JSON for both systems")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     ap.add_argument("--tokenizer", default=None, help="default: the embedded model's tokenizer")
@@ -193,24 +193,37 @@ def _interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
+def systems(spec: str) -> list[str]:
+    """``--systems``: "both" or a comma list of "on" / "off" -> the keys, in order; ValueError otherwise."""
+    keys = ["off", "on"] if spec == "both" else [k.strip() for k in spec.split(",") if k.strip()]
+    if not keys or any(k not in ("on", "off") for k in keys):
+        raise ValueError(f"--systems takes on, off or both (or a comma list of on and off), got {spec!r}")
+    return keys
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     a = parse_args(argv)
+    try:
+        keys_wanted = systems(a.systems)
+        ns = [int(x) for x in a.n.split(",") if x]
+        extra = json.loads(a.engine) if a.engine else {}
+    except ValueError as e:
+        print(f"chunkserve bench cluster: {e}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _interrupt)  # clean up (locust, then the cluster) as on Ctrl-C
     if a.tokenizer is None:
         from chunkserve.workers.weights import embedded_checkpoint_dir
 
         a.tokenizer = str(embedded_checkpoint_dir())
-    ns = [int(x) for x in a.n.split(",") if x]
     out = Path(a.out or f"bench-cluster-results/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     tenants, keys = write_tenants(out, 1)
     t_start = time.monotonic()
     deadline = t_start + 60 * a.max_minutes
-    extra = json.loads(a.engine) if a.engine else {}
     wanted = {"on": "sharing on (TPP)", "off": "sharing off (paged)"}
     sweeps: list[Sweep] = []
-    for key in [k for k in a.systems.split(",") if k]:
+    for key in keys_wanted:
         system = wanted[key]
         engine = {"chunk_size": 64, "max_num_seqs": 32, "kv_cache_gb": 1.0, **SYSTEMS[system], **extra}
         with local_cluster(ClusterSpec(workers=1, model=a.model, engine=engine), tenants, keys) as ep:
