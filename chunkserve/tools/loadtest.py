@@ -69,7 +69,10 @@ class LoadSpec:
 
     def __post_init__(self) -> None:
         if self.users < 1 or self.duration_s <= 0 or self.rate <= 0:
-            raise ValueError("users, duration and rate must be positive")
+            raise ValueError(f"users, duration and rate must be positive, got {self.users}, {self.duration_s}, "
+                             f"{self.rate}")
+        if self.tenants < 1 or self.max_tokens < 1:
+            raise ValueError(f"tenants and max_tokens must be >= 1, got {self.tenants}, {self.max_tokens}")
         if self.arrival not in ("closed", "poisson"):
             raise ValueError(f"arrival must be closed or poisson, got {self.arrival!r}")
         if not self.protocols or set(self.protocols) - {"http", "grpc"}:
@@ -242,7 +245,8 @@ def spec_from_args(a: argparse.Namespace) -> LoadSpec:
         from chunkserve.workers.weights import embedded_checkpoint_dir
 
         tokenizer = str(embedded_checkpoint_dir())
-    return LoadSpec(users=a.users or 8, duration_s=a.duration or (600.0 if a.soak else 60.0),
+    return LoadSpec(users=8 if a.users is None else a.users,
+                    duration_s=a.duration if a.duration is not None else (600.0 if a.soak else 60.0),
                     arrival=a.arrival or "closed", rate=a.rate, tenant_rates=a.tenant_rates,
                     think_time_s=a.think_time if a.think_time is not None else (0.0 if a.soak else 1.0),
                     max_inflight=a.max_inflight, tenants=a.tenants, prompt_tokens=a.prompt_tokens,
@@ -279,7 +283,14 @@ def _interrupt(*_: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     a = parse_args(argv)
-    spec = spec_from_args(a)
+    try:  # every flag checked before anything is written or started
+        spec = spec_from_args(a)
+        engine = json.loads(a.engine) if a.engine else {}
+        if not isinstance(engine, dict):
+            raise ValueError(f"--engine: expected a JSON object of EngineConfig fields, got {a.engine!r}")
+    except ValueError as e:  # LoadSpec's checks, a bad JSON (pydantic's ValidationError is a ValueError too)
+        print(f"chunkserve loadtest: {e}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C (locust, then the cluster)
     out_dir = Path(a.out or f"loadtest-results/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -290,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
         res = run_load(ep, spec, out_dir, a.sample_interval)
     else:
         tenants_path, keys_path = write_tenants(out_dir, spec.tenants)
-        engine = json.loads(a.engine) if a.engine else {}
         cspec = ClusterSpec(workers=a.workers, model=a.model, engine=engine, num_cpus=a.num_cpus,
                             startup_timeout_s=a.startup_timeout, max_ongoing_requests=a.max_ongoing,
                             front=a.front)
