@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--extra-body takes a JSON object")
         if args.engine_clock_wait < 0:
             raise ValueError("--engine-clock-wait takes seconds >= 0")
+        if args.max_concurrency is not None and args.max_concurrency < 1:
+            raise ValueError("--max-concurrency takes a count >= 1 (leave it out for no limit)")
         if args.max_tokens < 1 or args.passes < 0 or args.single < 0 or (args.passes == 0 and args.single == 0):
             raise ValueError("need --max-tokens >= 1 and at least one pass or lone stream")
         if args.vs is not None and (len(args.vs.split(",")) != 2 or set(args.vs.split(",")) - set(endpoints)):

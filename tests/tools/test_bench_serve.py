@@ -106,6 +106,7 @@ def test_ignore_eos_is_sent_to_every_endpoint_and_recorded(server: LocalServer, 
     (["--endpoint", "a=http://x", "--rate", "0"], "arrival rate"),
     (["--endpoint", "a=http://x", "--extra-body", "a=[1]"], "JSON object"),
     (["--endpoint", "a=http://x", "--engine-clock-wait", "-1"], "engine-clock-wait"),
+    (["--endpoint", "a=http://x", "--max-concurrency", "-1"], "max-concurrency"),  # was found after launching
 ])
 def test_bench_serve_rejects_bad_flags_with_a_usage_error(argv: list[str], message: str,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
