@@ -147,7 +147,7 @@ def create_app(ingress: Ingress) -> FastAPI:
         prep = await ingress.prepare(tenant, req, ingress.new_request_id("cmpl"), received)
         if req.stream:
             return await _start_stream(request, ingress, prep, _completion_events(ingress, prep))
-        text, _tokens, last = await _collect_unless_disconnected(request, ingress, prep)
+        text, _tokens, last = await _unless_disconnected(request, ingress.collect(prep))
         usage = usage_of(last)
         return JSONResponse(completion_response(prep.request.request_id, prep.model, prep.created, text,
                                                 last.finish_reason, usage))
@@ -160,7 +160,7 @@ def create_app(ingress: Ingress) -> FastAPI:
         prep = await ingress.prepare(tenant, req, ingress.new_request_id("chatcmpl"), received)
         if req.stream:
             return await _start_stream(request, ingress, prep, _chat_events(ingress, prep))
-        text, _tokens, last = await _collect_unless_disconnected(request, ingress, prep)
+        text, _tokens, last = await _unless_disconnected(request, ingress.collect(prep))
         usage = usage_of(last)
         return JSONResponse(chat_response(prep.request.request_id, prep.model, prep.created, text,
                                           last.finish_reason, usage))
@@ -208,11 +208,6 @@ async def _unless_disconnected(request: Request, aw: Awaitable[Any]) -> Any:
     if work.cancelled():
         raise ClientDisconnected()
     return work.result()
-
-
-async def _collect_unless_disconnected(request: Request, ingress: Ingress, prep: Prepared) -> Any:
-    """Runs a non-streaming request while watching the connection (`_unless_disconnected`)."""
-    return await _unless_disconnected(request, ingress.collect(prep))
 
 
 async def _start_stream(request: Request, ingress: Ingress, prep: Prepared, events: AsyncIterator[bytes]

@@ -106,9 +106,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request; its KV chunks are released at once. Returns whether it was known."""
-        req = self._requests.pop(request_id, None)
-        self._detok.pop(request_id, None)
-        self.sampler.forget(request_id)
+        req, _ = self._forget(request_id)
         if req is None:
             return False
         self.scheduler.abort(request_id)
@@ -152,11 +150,14 @@ class EngineCore:
         self.scheduler.pins.release_all()
         self.cache.clear()
 
+    def _forget(self, request_id: str) -> tuple[Request | None, Detokenizer | None]:
+        """Drops the engine's own records of a request (not the scheduler's); -> what they were."""
+        self.sampler.forget(request_id)
+        return self._requests.pop(request_id, None), self._detok.pop(request_id, None)
+
     def _ended(self, req: Request) -> StepOutput:
         """The last output of a request the scheduler ended (no new token; the text it held back)."""
-        self._requests.pop(req.request_id, None)
-        detok = self._detok.pop(req.request_id, None)
-        self.sampler.forget(req.request_id)
+        _, detok = self._forget(req.request_id)
         return StepOutput(req, [], detok.flush() if detok is not None else "", req.finish_reason,
                           [] if req.params.logprobs else None)
 
@@ -184,9 +185,7 @@ class EngineCore:
                 text += detok.flush()
             if reason is not None:
                 self.scheduler.finish(req, reason)
-                self._requests.pop(req.request_id, None)
-                self._detok.pop(req.request_id, None)
-                self.sampler.forget(req.request_id)
+                self._forget(req.request_id)
             outs.append(StepOutput(req, [tok], text, reason, [lp] if p.logprobs else None))
         return outs
 

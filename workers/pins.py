@@ -140,8 +140,7 @@ class PinManager:
         spec = req.pin
         if spec is None or req.pinned_tokens:
             return
-        c = self.tree.chunk_size
-        room = max((-(-(r.prefill_len + 1 + bool(r.output)) // c) for r in waiting), default=0)
+        room = max((r.chunks_alone(self.tree.chunk_size) for r in waiting), default=0)
         got = self.pin(req.tenant, req.salt, req.prompt, spec, room_needed=room)
         req.pinned_tokens = got
         req.cache_creation_tokens = max(0, got - (req.num_cached or 0)) if got else 0

@@ -72,6 +72,10 @@ class Request:
         """Tokens whose K/V its (re)prefill computes: the prompt, after a preemption also the output but its last."""
         return len(self.prompt) + max(0, len(self.output) - 1)
 
+    def chunks_alone(self, chunk_size: int) -> int:
+        """KV chunks its (re)prefill and first decode slot take with nothing cached: what it needs of the pool."""
+        return -(-(self.prefill_len + 1 + bool(self.output)) // chunk_size)
+
     @property
     def prefilling(self) -> bool:
         """Still before its first sampled token, or recomputing after a preemption."""

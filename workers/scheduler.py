@@ -16,7 +16,7 @@ when its request won the pick over another tenant's work: a light tenant's first
 step, not one filled with the heavy tenant's prompt pieces); it passes over such prompts (up to
 `HOLD_SKIPS`) to the ones it can end, so a chat whose system prompt was just computed is not left out of its
 group's step because long prompts arrived before it. When a decode cannot get a slot a victim
-is preempted (its chunks released, so they stay cached) and requeued at its arrival position: the running
+is preempted (`preemption.py`; its chunks released, so they stay cached) and requeued at its arrival position: the running
 request with the largest (tenant counter, arrival), never the oldest running request, so the oldest
 request always makes progress; a request whose context outgrew the pool (no slot while it runs alone, or too long
 to readmit) ends with "length" instead. Prefill pieces of running prompts and admissions share one order.
@@ -39,6 +39,7 @@ from chunkserve.workers.chunk_pool import KVCacheFull
 from chunkserve.workers.fairness import FairnessConfig, FairShare
 from chunkserve.workers.kvcache import PrefixKVCache
 from chunkserve.workers.pins import PinManager
+from chunkserve.workers.preemption import Preemption
 from chunkserve.workers.protocol import PinRefusedError
 from chunkserve.workers.sched_types import PrefillPiece, Request, Status, StepPlan
 
@@ -66,7 +67,7 @@ class SchedulerConfig:
             raise ValueError(f"max_pinned_fraction must be in [0, 1), got {self.max_pinned_fraction}")
 
 
-class Scheduler:
+class Scheduler(Preemption):
     """Owns the waiting queue and the running set; plans each step against the cache."""
 
     def __init__(self, cache: PrefixKVCache, config: SchedulerConfig,
@@ -245,65 +246,6 @@ class Scheduler:
             req.remaining_at = (self._step, left)
         return left
 
-    def _victim(self, req: Request) -> Request:
-        """Whom to preempt so that ``req`` gets a slot: the lowest-priority other running request, but
-        never the oldest running one (so the oldest always makes progress); ``req`` itself when every
-        other candidate outranks it."""
-        oldest = min(self.running, key=lambda r: r.seq)
-        cands = [r for r in self.running if r is not req and r is not oldest]
-        if not cands:
-            return req
-        victim = max(cands, key=self._priority)
-        if req is not oldest and self._priority(victim) < self._priority(req):
-            return req
-        return victim
-
-    def _schedule_decodes(self, budget: int) -> list[Request]:
-        """Give each decoding request a slot for its last sampled token, preempting on a full pool."""
-        out: list[Request] = []
-        self._slots = {}
-        for req in sorted(self.running, key=lambda r: r.seq):  # oldest first
-            # preempted in this loop (identity check: Request equality compares every field)
-            if id(req) in self._preempted_now or req.prefilling or len(out) >= budget:
-                continue
-            while True:
-                try:
-                    self._slots[id(req)] = self.cache.append_slot(req.sid, req.output[-1])
-                    break
-                except KVCacheFull:
-                    victim = self._victim(req)
-                    if victim is req and len(self.running) == 1:  # alone, and the pool cannot hold one more token
-                        self._cannot_grow(req)
-                        break
-                    self._preempt(victim)
-                    if victim is req:
-                        break
-                    if victim in out:
-                        out.remove(victim)
-            if id(req) not in self._preempted_now and req.status is not Status.FINISHED:
-                req.num_computed += 1
-                out.append(req)
-        return out
-
-    def _cannot_grow(self, req: Request) -> None:
-        """``req``'s context does not fit the KV pool even alone: it ends with "length", as at the context length."""
-        if req in self.running:
-            self.running.remove(req)
-        else:
-            self._unqueue(req)
-        self.finish(req, "length")
-        self._ended.append(req)
-
-    def _preempt(self, req: Request) -> None:
-        self._preempted_now.add(id(req))
-        self.free(req)
-        self.running.remove(req)
-        req.status = Status.WAITING
-        req.num_computed = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self._requeue(req)
-
     def _admit(self, req: Request) -> bool:
         """Reserve the cached prefix; admit only if the rest of the prompt fits the free chunks."""
         tokens = req.all_tokens[:req.prefill_len]
@@ -317,9 +259,8 @@ class Scheduler:
         # admitted once the pool is otherwise empty); while others run, its own cached chunks are no room once it
         # holds them (counting them let a preempted request back in each step, to be preempted by the next decode)
         need_chunks = -(-(need_tokens + 1 - cached // c * c) // c)
-        usable = self.cache.pool.num_chunks - self.cache.num_pinned_chunks + self.cache.pinned_prefix_chunks(
-            tokens, req.salt)
-        if req.output and -(-(need_tokens + 1) // c) > usable:  # preempted past what the pool holds alone
+        if req.output and req.chunks_alone(c) > self.cache.pool.num_chunks - self.cache.num_pinned_chunks + \
+                self.cache.pinned_prefix_chunks(tokens, req.salt):  # preempted past what the pool holds alone
             self._cannot_grow(req)
             return False
         room = self.cache.pool.num_free + self.cache.num_evictable - (held if self.running else 0)

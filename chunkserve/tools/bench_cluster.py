@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chunkserve.tools.launcher import engine_json
 from chunkserve.tools.loadtest import LoadSpec, run_load
 from chunkserve.tools.loadtest_cluster import ClusterSpec, local_cluster, write_tenants
 from chunkserve.tools.loadtest_report import dist
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         keys_wanted = systems(a.systems)
         ns = [int(x) for x in a.n.split(",") if x]
-        extra = json.loads(a.engine) if a.engine else {}
+        extra = engine_json(a.engine)
     except ValueError as e:
         print(f"chunkserve bench cluster: {e}", file=sys.stderr)
         return 2

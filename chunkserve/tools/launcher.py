@@ -94,6 +94,16 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
                          front=args.front)
 
 
+def engine_json(text: str | None, flag: str = "--engine") -> dict[str, Any]:
+    """An ``--engine`` flag's JSON object of EngineConfig fields ({} when not given); ValueError otherwise."""
+    if not text:
+        return {}
+    engine = json.loads(text)  # a JSONDecodeError is a ValueError
+    if not isinstance(engine, dict):
+        raise ValueError(f"{flag}: expected a JSON object of EngineConfig fields, got {text!r}")
+    return engine
+
+
 def app_config(args: argparse.Namespace) -> AppConfig:
     """The `AppConfig` the flags describe: ``--config`` (AppConfig fields, or a Serve config file whose first
     application's args are used), then the flags on top. ``redis_url`` is ``--redis-url`` or None (start one)."""
@@ -121,10 +131,7 @@ def app_config(args: argparse.Namespace) -> AppConfig:
     if args.tenants is not None:
         base["tenants"] = args.tenants
     if args.engine:
-        engine = json.loads(args.engine)  # a JSONDecodeError is a ValueError
-        if not isinstance(engine, dict):
-            raise ValueError(f"--engine: expected a JSON object of EngineConfig fields, got {args.engine!r}")
-        base["engine"] = {**base.get("engine", {}), **engine}
+        base["engine"] = {**base.get("engine", {}), **engine_json(args.engine)}
     for key in ("dtype", "quantization"):
         if getattr(args, key) is not None:
             base["engine"] = {**base.get("engine", {}), key: getattr(args, key)}

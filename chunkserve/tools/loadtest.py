@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkserve.tools.launcher import FRONTS
+from chunkserve.tools.launcher import FRONTS, engine_json
 from chunkserve.tools.loadtest_cluster import ClusterSpec, Endpoints, admin_key, local_cluster, write_tenants
 from chunkserve.tools.loadtest_metrics import (
     MetricsSampler,
@@ -285,9 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:  # every flag checked before anything is written or started
         spec = spec_from_args(a)
-        engine = json.loads(a.engine) if a.engine else {}
-        if not isinstance(engine, dict):
-            raise ValueError(f"--engine: expected a JSON object of EngineConfig fields, got {a.engine!r}")
+        engine = engine_json(a.engine)
     except ValueError as e:  # LoadSpec's checks, a bad JSON (pydantic's ValidationError is a ValueError too)
         print(f"chunkserve loadtest: {e}", file=sys.stderr)
         return 2
