@@ -27,12 +27,15 @@ from typing import Any
 
 from chunkserve.cluster.index import IndexKeys, check_worker_id, encode_hash
 
-# KEYS: claim, claims zset, load hash, claim ends. ARGV: now_ms, ttl_ms, weight, hash, last hash, k, then k
+# KEYS: claim, claims zset, load hash, claim ends. ARGV: (unused), ttl_ms, weight, hash, last hash, k, then k
 # candidates (preference order) and the other live workers. Expires up to 256 claims per call (their weight
 # leaves the load hash), then follows a live claim whose worker is live (a candidate or not: the caller judges
-# its load), or claims the least loaded candidate. -> the worker.
+# its load), or claims the least loaded candidate. -> the worker. Time is Redis's own clock (``TIME``), so
+# routers whose clocks disagree still expire one another's claims on time.
 CLAIM_LUA = """
-local now = tonumber(ARGV[1])
+if redis.replicate_commands then redis.replicate_commands() end  -- Redis < 7: TIME before writes
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 256)
 for _, m in ipairs(expired) do
@@ -54,7 +57,7 @@ for i = 7, 6 + tonumber(ARGV[6]) do
   if low == nil or l < low then best, low = ARGV[i], l end
 end
 redis.call('SET', KEYS[1], best, 'PX', ttl)
-local member = best .. '\\t' .. ARGV[3] .. '\\t' .. ARGV[4] .. '\\t' .. ARGV[1] .. '\\t' .. ARGV[5]
+local member = best .. '\\t' .. ARGV[3] .. '\\t' .. ARGV[4] .. '\\t' .. now .. '\\t' .. ARGV[5]
 redis.call('ZADD', KEYS[2], now + ttl, member)
 redis.call('HINCRBY', KEYS[3], best, tonumber(ARGV[3]))
 redis.call('HSET', KEYS[4], ARGV[5], member)
@@ -92,7 +95,7 @@ def settle_keys(keys: IndexKeys) -> list[str]:
     return [f"{{{ns}}}:claims", f"{{{ns}}}:coldload", f"{{{ns}}}:claimends"]
 
 
-def claim_args(first_hash: int, candidates: Sequence[str], weight: int, ttl_ms: int, now_ms: int,
+def claim_args(first_hash: int, candidates: Sequence[str], weight: int, ttl_ms: int,
                others: Sequence[str] = (), last_hash: int | None = None) -> list[Any]:
     """``candidates``: where a new claim may go, in preference order; ``others``: live workers a claim
     already made may stay on (overloaded ones: the router then decides whether to spill, as for a holder);
@@ -101,5 +104,5 @@ def claim_args(first_hash: int, candidates: Sequence[str], weight: int, ttl_ms: 
         raise ValueError("a claim needs at least one candidate worker")
     rest = [w for w in others if w not in candidates]
     last = first_hash if last_hash is None else last_hash
-    return [int(now_ms), max(1, int(ttl_ms)), max(1, int(weight)), encode_hash(first_hash), encode_hash(last),
+    return [0, max(1, int(ttl_ms)), max(1, int(weight)), encode_hash(first_hash), encode_hash(last),
             len(candidates), *(check_worker_id(w) for w in (*candidates, *rest))]

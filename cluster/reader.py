@@ -149,8 +149,7 @@ class CachedIndexReader:
         if self._claim_script is None:
             self._claim_script = self._index.client.register_script(CLAIM_LUA)
         keys = claim_keys(self._index.keys, first_hash)
-        args = claim_args(first_hash, candidates, weight, int(ttl_s * 1000), int(time.time() * 1000), others,
-                          last_hash)
+        args = claim_args(first_hash, candidates, weight, int(ttl_s * 1000), others, last_hash)
         task = asyncio.get_running_loop().create_task(self._claim_script(keys=keys, args=args))
         task.add_done_callback(_consume_exception)
         done, _ = await asyncio.wait({task}, timeout=self.config.claim_timeout_s)

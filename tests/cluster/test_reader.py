@@ -149,6 +149,26 @@ def test_expired_claims_release_their_worker_and_their_weight(redis_server: Redi
     asyncio.run(go())
 
 
+def test_a_router_whose_clock_runs_ahead_does_not_expire_other_routers_live_claims(
+        redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claims age by Redis's clock: a router host 10 minutes ahead must not drop w1's 100-chunk claim."""
+    import time
+
+    firsts = [hash_chain([t] * 16, 4, b"skew")[0] for t in range(2)]
+
+    async def go() -> None:
+        a, b = _reader(redis_server.url, namespace), _reader(redis_server.url, namespace)
+        assert await a.claim_cold(firsts[0], ["w1", "w2"], weight=100, ttl_s=30.0) == "w1"
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 600.0)
+        assert await b.claim_cold(firsts[1], ["w1", "w2"], weight=1, ttl_s=30.0) == "w2"  # w1 still carries 100
+        monkeypatch.setattr(time, "time", real)
+        await a.aclose()
+        await b.aclose()
+
+    asyncio.run(go())
+
+
 def test_a_worker_storing_the_claimed_chains_last_chunk_settles_its_weight(redis_server: RedisServer,
                                                                           namespace: str) -> None:
     """A new prompt claimed on w1 weighs 16 chunks until w1 stores the chain's last chunk (its prefill is
