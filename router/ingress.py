@@ -45,7 +45,14 @@ from chunkserve.router.openai_api import APIError, ChatCompletionRequest, Comple
 from chunkserve.router.ratelimit import Admission, AdmissionLease, RateLimited, RateLimiter
 from chunkserve.router.server_metrics import ServerMetrics
 from chunkserve.router.tenants import AuthError, Tenant, TenantRegistry
-from chunkserve.workers.protocol import EngineDeadError, EngineError, GenerateDelta, GenerateRequest
+from chunkserve.workers.protocol import (
+    EngineDeadError,
+    EngineError,
+    GenerateDelta,
+    GenerateRequest,
+    KVPoolTooSmallError,
+    PromptTooLongError,
+)
 from chunkserve.workers.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -305,6 +312,15 @@ class Ingress(GrpcServiceMixin):
                     logger.warning("request %s: worker lost (%s), failover %d %s after %d tokens",
                                    prep.request.request_id, e, attempt, phase, len(sent))
                     await asyncio.sleep(self.config.failover_backoff_s * attempt)
+                except (PromptTooLongError, KVPoolTooSmallError) as e:
+                    if resumed is None:
+                        raise engine_error_to_api(e) from None
+                    # mid-stream, the survivor cannot hold prompt + output: the output ends here, as it would
+                    # have on a worker whose context or pool ran out
+                    text, stopped = resumed.add([], True)
+                    reason = "stop" if stopped else "length"
+                    yield GenerateDelta(prep.request.request_id, [], text, n_prompt, n_cached, len(sent), reason)
+                    return
                 except EngineError as e:
                     raise engine_error_to_api(e) from None
         except Exception:

@@ -8,6 +8,7 @@ down mid-stream, which is what the ingress sees as `EngineDeadError` when a Ray 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
@@ -141,6 +142,26 @@ def test_a_request_whose_worker_dies_before_the_first_token_is_resent_unchanged(
         assert last.num_cached_tokens > 0  # the survivor's reuse is what the usage reports (it read 0)
         assert client.calls[1].prompt_token_ids == tuple(PROMPT) and client.calls[1].sampling.seed_offset == 0
         assert _failovers(ing, "before_first_token") == 1.0
+
+    asyncio.run(main())
+
+
+def test_a_stream_resumed_on_a_worker_too_small_for_its_context_ends_with_length(reference):
+    """Mid-stream, the survivor's pool (32 tokens) cannot hold the prompt and the tokens already sent: the
+    client keeps what it got and the stream ends with finish reason "length", not a 413 after its tokens."""
+    async def main() -> None:
+        n = 160
+        want, _, want_text = await _run(_ingress(LocalEngineClient(reference), reference), n, temperature=0.0)
+        dying = AsyncEngine(ECFG)
+        small = AsyncEngine(dataclasses.replace(ECFG, num_kv_chunks=2, max_model_len=32))
+        client = DyingClient([dying, small], kill_after={0: 20})
+        got, last, text = await _run(_ingress(client, small), n, temperature=0.0)
+        small.shutdown()
+        k = client.calls[1].sampling.seed_offset
+        assert len(client.calls) == 2 and k >= 20
+        assert got == want[:k] and want_text.startswith(text) and text
+        assert last.finish_reason == "length" and last.num_output_tokens == k
+        assert last.num_prompt_tokens == len(PROMPT)
 
     asyncio.run(main())
 
