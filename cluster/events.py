@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import redis
 
@@ -26,8 +27,10 @@ from chunkserve.cluster.index import (
     RELEASE_LUA,
     IndexKeys,
     PrefixIndex,
+    SyncRedis,
     check_worker_id,
     encode_hash,
+    execute_pipeline,
     now_ms,
     redis_client,
 )
@@ -53,7 +56,7 @@ class WorkerPublisher:
     :meth:`publish` / :meth:`heartbeat`: they are logged once and trigger a resync on recovery.
     """
 
-    def __init__(self, client: redis.Redis | str, worker_id: str, namespace: str = DEFAULT_NAMESPACE,
+    def __init__(self, client: SyncRedis | str, worker_id: str, namespace: str = DEFAULT_NAMESPACE,
                  lease_ttl_s: float = 5.0, max_depth: int = DEFAULT_MAX_DEPTH,
                  snapshot: SnapshotFn | None = None, socket_timeout_s: float = 1.0,
                  sweep_every_s: float = 30.0) -> None:
@@ -72,6 +75,7 @@ class WorkerPublisher:
         self._publish = client.register_script(PUBLISH_LUA)
         self._release = client.register_script(RELEASE_LUA)
         self._settle = client.register_script(SETTLE_LUA)
+        self._scripts = (self._heartbeat, self._publish, self._release, self._settle)
         self._lock = threading.Lock()
         self._io_lock = threading.Lock()
         self._needs_resync = True
@@ -89,11 +93,12 @@ class WorkerPublisher:
     def heartbeat(self) -> bool:
         """Renew (or re-acquire) the lease. -> True when the snapshot was (re)published."""
         ttl_ms = max(1, int(self.lease_ttl_s * 1000))
-        try:
-            pipe = self.client.pipeline(transaction=False)
+        def queue(pipe: Any) -> None:
             self._heartbeat(keys=self._kv, args=[self.token, ttl_ms], client=pipe)
             pipe.zadd(self.keys.registry, {self.worker_id: now_ms()})
-            fresh = int(pipe.execute()[0]) == 1
+
+        try:
+            fresh = int(execute_pipeline(self.client, queue, self._scripts)[0]) == 1
             with self._lock:
                 resync = fresh or self._needs_resync
                 self._needs_resync = False
@@ -149,10 +154,11 @@ class WorkerPublisher:
                 if not stored:
                     n = int(self._publish(keys=self._kv, args=args))
                 else:  # and settle the cold claims those chunks complete (`cluster/claims.py`): one round trip
-                    pipe = self.client.pipeline(transaction=False)
-                    self._publish(keys=self._kv, args=args, client=pipe)
-                    self._settle(keys=settle_keys(self.keys), args=[self.worker_id, *stored], client=pipe)
-                    n = int(pipe.execute()[0])
+                    def queue(pipe: Any) -> None:  # both replay safely: set ops in order, settles once
+                        self._publish(keys=self._kv, args=args, client=pipe)
+                        self._settle(keys=settle_keys(self.keys), args=[self.worker_id, *stored], client=pipe)
+
+                    n = int(execute_pipeline(self.client, queue, self._scripts)[0])
         except redis.RedisError as e:
             self._note_error("publish", e)
             with self._lock:

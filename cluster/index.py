@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
 
 DEFAULT_NAMESPACE = "chunkserve"
 MAX_LOOKUP_CHUNKS = 4096  # keeps Lua's unpack() far below its stack limit
 _U64 = 1 << 64
+SyncRedis = redis.Redis | RedisCluster
+AsyncRedis = aredis.Redis | AsyncRedisCluster
 _I64_MAX = (1 << 63) - 1
 
 # KEYS: lease, chunks. ARGV: hashes (signed decimal). -> -1 (no lease; set purged) or prefix length.
@@ -92,6 +96,12 @@ end
 return n
 """
 
+# KEYS: lease, chunks. Drops the set of a worker whose lease lapsed. -> keys deleted, or -1 (lease alive again).
+SWEEP_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('DEL', KEYS[2]) end
+return -1
+"""
+
 # KEYS: lease, chunks. ARGV: token, ttl_ms. Drops the lease and set iff the caller owns the lease.
 RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -140,18 +150,43 @@ class IndexKeys:
         return f"{{{self.namespace}}}:workers"
 
 
-def redis_client(client: redis.Redis | str, timeout_s: float = 1.0) -> redis.Redis:
-    """``client`` itself, or a redis-py client for the URL with connect and socket timeouts."""
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (``redis+cluster://host:port``, ``rediss+cluster://`` for TLS):
+    any of its nodes; the client discovers the rest. One URL serves every process (workers, ingress, router)."""
+    return url.split("://", 1)[0].lower() in CLUSTER_SCHEMES
+
+
+def _node_url(url: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return f"{scheme.lower().removesuffix('+cluster')}://{rest}"
+
+
+def redis_client(client: SyncRedis | str, timeout_s: float = 1.0) -> SyncRedis:
+    """``client`` itself, or a redis-py client for the URL with connect and socket timeouts: a cluster client
+    for a ``redis+cluster://`` URL (`is_cluster_url`), else a plain one."""
     if isinstance(client, str):
+        if is_cluster_url(client):
+            return RedisCluster.from_url(_node_url(client), socket_timeout=timeout_s,
+                                         socket_connect_timeout=timeout_s)
         return redis.Redis.from_url(client, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     return client
 
 
-def async_redis_client(client: aredis.Redis | str, timeout_s: float = 1.0) -> aredis.Redis:
+def async_redis_client(client: AsyncRedis | str, timeout_s: float = 1.0) -> AsyncRedis:
     """As `redis_client`, for redis.asyncio (create it inside the event loop that uses it)."""
     if isinstance(client, str):
+        if is_cluster_url(client):
+            return AsyncRedisCluster.from_url(_node_url(client), socket_timeout=timeout_s,
+                                              socket_connect_timeout=timeout_s)
         return aredis.Redis.from_url(client, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     return client
+
+
+def _is_cluster(client: SyncRedis | AsyncRedis) -> bool:
+    return isinstance(client, RedisCluster | AsyncRedisCluster)
 
 
 def check_worker_id(worker_id: str) -> str:
@@ -159,6 +194,25 @@ def check_worker_id(worker_id: str) -> str:
     if not isinstance(worker_id, str) or not worker_id or any(c in worker_id for c in "{}"):
         raise ValueError(f"worker_id must be a non-empty string without braces, got {worker_id!r}")
     return worker_id
+
+
+def execute_pipeline(client: SyncRedis, queue: Callable[[Any], None], scripts: Sequence[Any],
+                     transaction: bool = False) -> list[Any]:
+    """Queues commands with ``queue(pipe)`` on a fresh pipeline and runs it. A cluster pipeline sends its
+    scripts as bare ``EVALSHA`` (redis-py loads them only for a plain one), so on ``NOSCRIPT`` (a new or
+    restarted node) ``scripts`` are loaded on every primary and the pipeline runs once more: what it queues
+    must be safe to run twice."""
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=transaction)
+        queue(pipe)
+        try:
+            return list(pipe.execute())
+        except redis.exceptions.NoScriptError:
+            if attempt:
+                raise
+            for script in scripts:
+                client.script_load(script.script)
+    raise AssertionError("unreachable")
 
 
 def _lookup_args(chain: Sequence[int], max_chunks: int | None) -> list[int]:
@@ -187,15 +241,17 @@ class PrefixIndex:
     """Synchronous index reader/admin (redis-py); thread-safe like the client it wraps.
 
     ``cluster_mode``: look up with one script call per worker (each touches one slot, as Redis Cluster
-    requires). Off (standalone Redis): one script call for all workers, ~3x cheaper on the client.
+    requires); always on with a cluster client. Off (standalone Redis): one script call for all workers,
+    ~3x cheaper on the client.
     """
 
-    def __init__(self, client: redis.Redis | str, namespace: str = DEFAULT_NAMESPACE,
+    def __init__(self, client: SyncRedis | str, namespace: str = DEFAULT_NAMESPACE,
                  max_chunks: int | None = None, cluster_mode: bool = False) -> None:
-        self.client = redis.Redis.from_url(client) if isinstance(client, str) else client
+        self.client = redis_client(client, timeout_s=5.0)
         self.keys = IndexKeys(namespace)
         self.max_chunks = max_chunks
-        self.cluster_mode = cluster_mode
+        self.cluster_mode = cluster_mode or _is_cluster(self.client)
+        self._sweep_one = self.client.register_script(SWEEP_LUA)
 
     def live_workers(self) -> list[str]:
         """Registered workers whose lease is alive."""
@@ -251,12 +307,11 @@ class PrefixIndex:
             pipe.exists(self.keys.lease(w))
         dead = [w for w, alive in zip(ids, pipe.execute(), strict=True) if not alive]
         if dead:
-            pipe = self.client.pipeline(transaction=False)
-            for w in dead:
-                # Re-check inside one slot: a worker may have re-acquired its lease since the read.
-                pipe.eval("if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('DEL', KEYS[2]) end"
-                          " return -1", 2, self.keys.lease(w), self.keys.chunks(w))
-            results = pipe.execute()
+            def queue(pipe: Any) -> None:
+                for w in dead:  # re-checked inside one slot: a worker may have re-acquired its lease since the read
+                    self._sweep_one(keys=[self.keys.lease(w), self.keys.chunks(w)], client=pipe)
+
+            results = execute_pipeline(self.client, queue, [self._sweep_one])
             dead = [w for w, r in zip(dead, results, strict=True) if int(r) >= 0]
             if dead:
                 self.client.zrem(self.keys.registry, *dead)
@@ -269,12 +324,12 @@ class PrefixIndex:
 class AsyncPrefixIndex:
     """asyncio index reader (redis.asyncio) for the router; create it inside the router's event loop."""
 
-    def __init__(self, client: aredis.Redis | str, namespace: str = DEFAULT_NAMESPACE,
+    def __init__(self, client: AsyncRedis | str, namespace: str = DEFAULT_NAMESPACE,
                  max_chunks: int | None = None, socket_timeout_s: float = 1.0, cluster_mode: bool = False) -> None:
         self.client = async_redis_client(client, socket_timeout_s)
         self.keys = IndexKeys(namespace)
         self.max_chunks = max_chunks
-        self.cluster_mode = cluster_mode
+        self.cluster_mode = cluster_mode or _is_cluster(self.client)
 
     async def longest_prefixes(self, chain: Sequence[int], worker_ids: Iterable[str]) -> dict[str, int]:
         """Per live worker among ``worker_ids``, the longest prefix of ``chain`` it holds (one round trip)."""

@@ -48,7 +48,7 @@ class RouterConfig(BaseModel):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)  # spill / load-cost knobs (router/policy.py)
     reader: ReaderConfig = Field(default_factory=ReaderConfig)  # index-read cache and wait (cluster/reader.py)
     enable_metrics: bool = True  # the router's Ray Serve metrics
-    cluster_mode: bool = False  # Redis Cluster key routing of the index client
+    cluster_mode: bool = False  # per-worker lookups on a standalone Redis too (automatic with redis+cluster://)
     predictions: bool = True  # send the routing prediction with each request (scored by the worker)
     cold_claims: bool = True  # place new prefixes through shared claims in Redis (cluster/claims.py)
 

@@ -63,7 +63,8 @@ class PrefixAwareRouter(RequestRouter):
     ``request_router_kwargs`` (all optional): ``redis_url`` (else env ``CHUNKSERVE_REDIS_URL``; none: no
     index), ``namespace``, ``max_chunks`` (K, chunks looked up per request), ``policy`` (dict of
     :class:`PolicyConfig` fields), ``reader`` (dict of :class:`ReaderConfig` fields), ``enable_metrics``,
-    ``cluster_mode`` (True for Redis Cluster: one script call per worker instead of one for all),
+    ``cluster_mode`` (one script call per worker instead of one for all; on by itself with a
+    ``redis+cluster://`` URL),
     ``predictions`` (True: add the routing prediction as the keyword argument ``routing`` to each request
     that passes ``chunk_hashes`` as a keyword, for a method that accepts it, as the worker's generate does),
     ``cold_claims`` (default True: place a prefix nobody holds through a shared claim in Redis,

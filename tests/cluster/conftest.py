@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from chunkserve.cluster.redis_cluster import RedisClusterServer
 from chunkserve.cluster.redis_server import RedisServer
 
 
@@ -20,3 +21,10 @@ def redis_server() -> Iterator[RedisServer]:
 def namespace() -> str:
     """A fresh key namespace per test, so tests sharing a server never see each other's keys."""
     return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[RedisClusterServer]:
+    """A real three-node Redis Cluster (`redis+cluster://` URL) for the module."""
+    with RedisClusterServer() as rc:
+        yield rc
