@@ -142,17 +142,18 @@ class CpuDecodeKernel:
         ``CHUNKSERVE_AMX`` not 0 (read once per process)."""
         return bool(self._amx(head_dim))
 
-    @staticmethod
-    def supports(q4: torch.Tensor, pool: torch.Tensor) -> bool:
-        """Whether the kernel handles this call (CPU tensors, a supported dtype and shape)."""
+    def supports(self, q4: torch.Tensor, pool: torch.Tensor) -> bool:
+        """Whether the kernel handles this call (CPU tensors, a supported dtype and shape; its dot products
+        and P@V run in whole vectors, so D must be a multiple of the vector width: other head dims take the
+        torch path)."""
         _b, _hkv, g, d = q4.shape
         return (pool.device.type == "cpu" and pool.dtype in DTYPE_CODES and g <= MAX_GROUP
-                and pool.shape[2] <= MAX_CHUNK and d <= MAX_HEAD_DIM
+                and pool.shape[2] <= MAX_CHUNK and d <= MAX_HEAD_DIM and d % self.vector_width == 0
                 and pool.stride(3) == 1 and pool.stride(2) == d and pool.stride(1) == pool.shape[2] * d)
 
     def supports_runs(self, q4: torch.Tensor, pool: torch.Tensor) -> bool:
-        """Whether ``run_attention`` handles this call (``supports`` and D a multiple of the vector width)."""
-        return self.supports(q4, pool) and q4.shape[-1] % self.vector_width == 0
+        """Whether ``run_attention`` handles this call (as ``supports``)."""
+        return self.supports(q4, pool)
 
     def __call__(self, q4: torch.Tensor, k_pool_l: torch.Tensor, v_pool_l: torch.Tensor, table: torch.Tensor,
                  tokens: torch.Tensor, scale: float, o: torch.Tensor, lse: torch.Tensor | None,

@@ -93,7 +93,7 @@ class FusedDecodeLayer:
         g = hq // hkv
         if (q.dtype not in ACT_CODES or k.dtype != q.dtype or v.dtype != q.dtype or k_pool_l.dtype not in DTYPE_CODES
                 or v_pool_l.dtype != k_pool_l.dtype or k_pool_l.stride() != v_pool_l.stride()
-                or g * hkv != hq or g > MAX_GROUP or c > MAX_CHUNK or d > MAX_HEAD_DIM
+                or g * hkv != hq or g > MAX_GROUP or c > MAX_CHUNK or d > MAX_HEAD_DIM or d % kern.vector_width
                 or k_pool_l.stride(3) != 1 or k_pool_l.stride(2) != d or k_pool_l.stride(1) != c * d
                 or not all(_heads_contiguous(t, d) for t in (q, k, v)) or k.shape[1] != hkv or v.shape[1] != hkv
                 or b != ctx.batch_size or slots.dtype != torch.int64 or not slots.is_contiguous()):

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chunkserve.kernels import cpu_kernel
+from chunkserve.kernels import chunk_attention, cpu_kernel
 from chunkserve.kernels.paged_torch import paged_decode_torch
 from chunkserve.kernels.testing import ChunkTree, sdpa_reference
 from chunkserve.kernels.torch_ops import Workspace
@@ -51,6 +51,20 @@ def test_inplace_and_gather_paths_both_match_the_float64_reference(cache_tree, c
     # the two TPP paths compute the same thing up to summation order
     assert check.rel_err(outs[("tpp_decode_torch", True)], outs[("tpp_decode_torch", False)].double()) \
         < check.tol[dtype]
+
+
+@pytest.mark.parametrize("d", [8, 24, 36, 40, 72, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dims_that_are_not_a_multiple_of_the_vector_width_attend_exactly(cache_tree, check, d, dtype):
+    """The kernel works in whole vectors (8 or 16 lanes): such head dims must not reach it (they read past the
+    head and gave errors of order 1), shared runs included."""
+    tree = cache_tree(d, 2, d, 16, dtype, device="cpu", num_chunks=256)
+    ids = tree.grow(5, max_len=64)
+    q = torch.randn(len(ids), 4, d, generator=tree.gen).to(dtype)
+    ref = tree.reference(q, ids, d**-0.5)
+    for backend in ("torch", "paged-torch"):
+        o = chunk_attention(q, tree.cache, ids, backend=backend)
+        assert check.rel_err(o, ref) < check.tol[dtype], (backend, check.rel_err(o, ref))
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -295,3 +295,24 @@ def test_requests_queue_by_their_frontend_arrival_stamp_not_by_when_they_reach_t
                 first.append(out.req.request_id)
     assert first == ["ancient", "early", "late", "future"]
     assert core.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("head_dim", [24, 40])
+def test_head_dims_off_the_cpu_kernels_vector_width_match_hf_greedy(tmp_path, head_dim: int) -> None:
+    """Head dims that are not a multiple of 16 (AVX-512) or 8 (AVX2) take the torch path, not the fused
+    decode layer, whose whole-vector loops read past such a head (wrong tokens from the second one on)."""
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=4 * head_dim, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.save_pretrained(tmp_path / "ckpt")
+    rng = random.Random(head_dim)
+    prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (5, 21, 40)]
+    llm = LLM(model=str(tmp_path / "ckpt"), dtype="float32", chunk_size=16, num_kv_chunks=64, warmup=False)
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
