@@ -15,9 +15,8 @@ import logging
 import time
 
 import redis
-import redis.asyncio as aredis
 
-from chunkserve.cluster.index import DEFAULT_NAMESPACE, async_redis_client, redis_client
+from chunkserve.cluster.index import DEFAULT_NAMESPACE, AsyncRedis, async_redis_client, redis_client
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class DrainFlag:
         self.url = url
         self.key = drain_key(namespace)
         self.interval_s = interval_s
-        self._client: aredis.Redis | None = None  # made in the event loop that uses it
+        self._client: AsyncRedis | None = None  # made in the event loop that uses it
         self._checked = float("-inf")
         self._set = False
 

@@ -28,11 +28,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import redis
-import redis.asyncio as aredis
 
 from chunkserve.cluster.index import (
     DEFAULT_NAMESPACE,
+    AsyncRedis,
     IndexKeys,
+    SyncRedis,
     async_redis_client,
     check_worker_id,
     now_ms,
@@ -78,7 +79,7 @@ def snapshot_of(stats: Mapping[str, Any], worker_id: str) -> dict[str, Any]:
 class WorkerStatsWriter:
     """Writes one worker's stats snapshot (``SET key json PX ttl``); never raises on Redis errors."""
 
-    def __init__(self, client: redis.Redis | str, worker_id: str, namespace: str = DEFAULT_NAMESPACE,
+    def __init__(self, client: SyncRedis | str, worker_id: str, namespace: str = DEFAULT_NAMESPACE,
                  ttl_s: float = DEFAULT_STATS_TTL_S, socket_timeout_s: float = 1.0) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
@@ -141,14 +142,14 @@ class ClusterStatsReader:
         self.timeout_s = timeout_s
         self.stale_s = stale_s
         self.socket_timeout_s = socket_timeout_s
-        self._client: aredis.Redis | None = None
+        self._client: AsyncRedis | None = None
         self._last: list[dict[str, Any]] | None = None  # result of the last finished fetch (None: failed)
         self._last_at = -float("inf")
         self._good_at = -float("inf")  # when a fetch last succeeded
         self._inflight: asyncio.Task | None = None
         self._ok = True
 
-    def _redis(self) -> aredis.Redis:
+    def _redis(self) -> AsyncRedis:
         if self._client is None:  # created lazily, inside the loop that uses it
             self._client = async_redis_client(self.url, self.socket_timeout_s)
         return self._client

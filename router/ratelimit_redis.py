@@ -26,10 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
-from chunkserve.cluster.index import async_redis_client
+from chunkserve.cluster.index import AsyncRedis, async_redis_client
 from chunkserve.router.ratelimit import Lease, RateLimited, RateLimiter, request_burst
 from chunkserve.router.tenants import Tenant
 
@@ -133,7 +132,7 @@ class ClusterRateLimiter:
         self.namespace = namespace
         self.lease_ms = max(1000, int(lease_ttl_s * 1000))
         self._url, self._timeout = redis_url, timeout_s
-        self._client: aredis.Redis | None = None  # created on first use, inside the serving event loop
+        self._client: AsyncRedis | None = None  # created on first use, inside the serving event loop
         self._running: dict[str, int] = {tid: 0 for tid in self._limits}
         self._redis_ok = True
         self._cleanups: set[asyncio.Task] = set()  # background removals of slots a timeout may have left
@@ -146,7 +145,7 @@ class ClusterRateLimiter:
         """Requests of ``tenant_id`` this replica has admitted and not yet finished."""
         return self._running[tenant_id] + self.fallback.running(tenant_id)
 
-    def _redis(self) -> aredis.Redis:
+    def _redis(self) -> AsyncRedis:
         if self._client is None:
             self._client = async_redis_client(self._url, self._timeout)
         return self._client
