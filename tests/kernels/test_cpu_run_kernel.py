@@ -122,7 +122,7 @@ def test_head_dim_that_is_not_a_multiple_of_the_vector_width_is_not_offered_to_t
     d = kern.vector_width + 2
     q = torch.zeros(2, 1, 1, d)
     pool = torch.zeros(1, 4, 16, d)
-    assert kern.supports(q, pool) and not kern.supports_runs(q, pool)
+    assert not kern.supports(q, pool) and not kern.supports_runs(q, pool)  # it read past such a head
 
 
 @pytest.mark.parametrize("threads,split", [(1, False), (2, False), (2, True), (4, True)])
