@@ -353,10 +353,11 @@ class AsyncEngine:
                     first_token_time=req.first_token_time if n_out == 1 else None, extra={"time": now},
                     num_cache_creation_tokens=req.cache_creation_tokens)))
             self._streaming = len(deltas)
+            # before a request's last delta goes out, so that stats read after its response count it (~10 us)
+            if now - self._stats_time > 0.1 or any(out.finish_reason is not None for out in outs):
+                self._stats, self._stats_time = self._snapshot(clock), now
             if deltas:
                 self._deliver(deltas)
-            if now - self._stats_time > 0.1:
-                self._stats, self._stats_time = self._snapshot(clock), now
 
 
 def _put_all(puts: list[tuple[str, asyncio.Queue, Any]]) -> None:

@@ -305,3 +305,34 @@ def test_the_served_engine_thread_runs_thread_nice_levels_below_its_process(nice
 def test_engine_config_refuses_a_thread_nice_outside_0_to_19(bad: object) -> None:
     with pytest.raises(ValueError, match="thread_nice"):
         EngineConfig(thread_nice=bad)  # type: ignore[arg-type]
+
+
+def test_stats_read_right_after_a_response_count_that_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The snapshot was refreshed when the engine thread next went idle, after the last delta went out, so a
+    dashboard or /metrics read right after a response could miss it (here the idle check is made slow)."""
+    eng = AsyncEngine(EngineConfig(model="random:tiny", chunk_size=CHUNK, num_kv_chunks=64, max_model_len=256,
+                                   warmup=False))
+    core = eng.core
+    has_work = core.has_work
+
+    def slow_when_idle() -> bool:
+        busy = has_work()
+        if not busy:
+            import time
+            time.sleep(0.05)
+        return busy
+
+    monkeypatch.setattr(core, "has_work", slow_when_idle)
+
+    async def main() -> None:
+        for i in range(3):
+            before = eng.stats().prompt_tokens_total
+            async for _ in eng.generate(request(f"s{i}", [1 + i, 2, 3, 4, 5], max_tokens=2),
+                                        StreamBatching(interval_s=0.0)):
+                pass
+            assert eng.stats().prompt_tokens_total == before + 5
+
+    try:
+        asyncio.run(main())
+    finally:
+        eng.shutdown()
