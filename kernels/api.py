@@ -7,6 +7,7 @@ engine uses with a context and per-layer pools it already holds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -117,6 +118,8 @@ def decode_attention(
     check_decode_inputs(q_sorted, k_pool_l, v_pool_l, ctx.batch_size)
     if scale is None:
         scale = float(q_sorted.shape[-1]) ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")  # the backends disagreed on NaN
     return get_decode_fn(name)(q_sorted, k_pool_l, v_pool_l, ctx, float(scale), out=out, workspace=workspace)
 
 
@@ -141,6 +144,8 @@ def chunk_attention(
         raise ValueError(f"layer must be an int in [0, {k_pool.shape[0]}), got {layer!r}")
     name = resolve_backend(backend, k_pool.device)
     seq_ids = list(seq_ids)
+    if any(isinstance(s, bool) or not hasattr(type(s), "__index__") for s in seq_ids):
+        raise TypeError(f"seq_ids must be integers, got {seq_ids!r}")  # 0.9 was read as sequence 0
     check_decode_inputs(q, k_pool[layer], v_pool[layer], len(seq_ids))
     if len(seq_ids) == 0:
         return q.new_empty(q.shape)

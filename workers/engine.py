@@ -24,7 +24,7 @@ from chunkserve.workers.output import Detokenizer, StepOutput
 from chunkserve.workers.protocol import InvalidRequestError, KVPoolTooSmallError, PromptTooLongError
 from chunkserve.workers.runner import ModelRunner
 from chunkserve.workers.sampler import Sampler
-from chunkserve.workers.sampling import SamplingParams
+from chunkserve.workers.sampling import SamplingParams, is_integer
 from chunkserve.workers.scheduler import Request, Scheduler, SchedulerConfig
 from chunkserve.workers.weights import LoadedModel, load_model
 
@@ -48,10 +48,10 @@ class EngineCore:
         mc: ModelConfig = self.model_config
         dtype = self.model.dtype
         per_chunk = 2 * mc.num_layers * mc.num_kv_heads * cfg.chunk_size * mc.head_dim * dtype.itemsize
-        num_chunks = cfg.num_kv_chunks or max(4, int(cfg.kv_cache_gb * 2**30) // per_chunk)
+        num_chunks = cfg.num_kv_chunks if cfg.num_kv_chunks is not None else max(4, int(cfg.kv_cache_gb * 2**30) // per_chunk)
         self.cache = PrefixKVCache(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.chunk_size, num_chunks,
                                    dtype, cfg.device, share_prefix=cfg.share_prefix)
-        self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
+        self.max_model_len = mc.max_model_len if cfg.max_model_len is None else min(cfg.max_model_len, mc.max_model_len)
         self.scheduler = Scheduler(self.cache, SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                                                fair_share=cfg.fair_share,
                                                                fair_quantum=cfg.fair_quantum,
@@ -84,7 +84,14 @@ class EngineCore:
         the future counts as now, one more than `MAX_QUEUE_AGE_S` old as that old)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        ids = [int(t) for t in prompt_token_ids]
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(salt, bytes):
+            raise InvalidRequestError(f"salt must be bytes, got {type(salt).__name__}")
+        toks = [] if isinstance(prompt_token_ids, str | bytes) else list(prompt_token_ids)
+        if isinstance(prompt_token_ids, str | bytes) or not all(is_integer(t) for t in toks):
+            raise InvalidRequestError("prompt token ids must be integers")
+        ids = [int(t) for t in toks]
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -99,9 +106,10 @@ class EngineCore:
         age = 0.0 if arrival_time is None else min(max(0.0, time.time() - arrival_time), MAX_QUEUE_AGE_S)
         req = Request(request_id, ids, params, salt, arrival=time.monotonic() - age, tenant=tenant, weight=weight,
                       pin=cache_pin)
-        self.scheduler.add(req)  # first: it may refuse the pin (PinRefusedError) before anything is kept
+        detok = Detokenizer(self.tokenizer, params)
+        self.scheduler.add(req)  # last: it may refuse the pin (PinRefusedError) before anything is kept
         self._requests[request_id] = req
-        self._detok[request_id] = Detokenizer(self.tokenizer, params)
+        self._detok[request_id] = detok
         return req
 
     def abort(self, request_id: str) -> bool:

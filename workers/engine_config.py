@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from chunkserve.workers.sampling import is_integer
+
 QUANT_MODES = ("int8", "int4")  # block-quantised (Q8_0, Q4_1), see workers/quant.py
 
 
@@ -46,10 +48,18 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
-            raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
-        if self.kv_cache_gb <= 0:
-            raise ValueError("kv_cache_gb must be > 0")
+        if not is_integer(self.chunk_size) or self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
+            raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size!r}")
+        if isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, int | float) \
+                or not 0 < self.kv_cache_gb < float("inf"):
+            raise ValueError(f"kv_cache_gb must be a finite number > 0, got {self.kv_cache_gb!r}")
+        for name in ("num_kv_chunks", "max_model_len"):  # None is the default; 0 is not
+            value = getattr(self, name)
+            if value is not None and (not is_integer(value) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if not is_integer(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
         if isinstance(self.fair_quantum, bool) or not (isinstance(self.fair_quantum, (int, float))

@@ -234,6 +234,10 @@ class PrefixKVCache(PrefixTree):
                 raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
             if not t.dtype.is_floating_point:
                 raise ValueError(f"{name} must be floating point, got {t.dtype}")
+            dev = self.pool.device  # "cuda" matches "cuda:0"
+            if t.layout != torch.strided or t.device.type != dev.type or dev.index not in (None, t.device.index):
+                raise ValueError(f"{name} must be a dense tensor on {self.pool.device}, got a {t.layout} one on "
+                                 f"{t.device}")
 
     def add_sequence(self, token_ids: Seq[int] | np.ndarray, k: torch.Tensor, v: torch.Tensor,
                      salt: bytes = b"") -> int:

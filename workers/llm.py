@@ -42,16 +42,21 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token id lists")
+            _check_text(prompt, "prompt")
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         raise TypeError("each prompt must be a str or a list of token ids")
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        if not messages:
-            raise ValueError("messages must be non-empty")
+        if not isinstance(messages, list | tuple) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content', got {m!r}")
+            _check_text(m["content"], f"messages[{i}].content")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
@@ -110,3 +115,11 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+
+def _check_text(text: str, name: str) -> None:
+    """Refuses text that UTF-8 cannot encode (a lone surrogate), which the tokenizer fails on with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text: {e.reason} at position {e.start}") from None

@@ -43,3 +43,19 @@ def test_bad_layer_and_non_tensor_query(small):
         chunk_attention(torch.randn(2, 4, 64), tree.cache, ids, layer=1)
     with pytest.raises(TypeError, match="torch.Tensor"):
         chunk_attention([[0.0]], tree.cache, ids)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -0.125, True])
+def test_a_scale_that_is_not_a_finite_positive_number_is_refused(small, scale):
+    """The torch backends returned zeros for a NaN scale where the reference returned NaN."""
+    tree, ids = small
+    with pytest.raises(ValueError, match="scale"):
+        chunk_attention(torch.randn(2, 4, 64), tree.cache, ids, scale=scale)
+
+
+@pytest.mark.parametrize("bad", [[0.9, 1], [True, 0]])
+def test_sequence_ids_that_are_not_integers_are_refused(small, bad):
+    """A float id was truncated (0.9 read as sequence 0) and a bool read as 0 or 1."""
+    tree, _ = small
+    with pytest.raises(TypeError, match="seq_ids"):
+        chunk_attention(torch.randn(2, 4, 64), tree.cache, bad)

@@ -199,6 +199,12 @@ def test_sharing_off_stores_every_sequence_separately() -> None:
         lambda c: c.append_token(0, 1, torch.zeros(L, H, D + 1), torch.zeros(L, H, D + 1)),
         lambda c: c.remove_sequence(777),
         lambda c: c.context([0, 0]),
+        # sparse or meta K/V: the write raised after the chunks were indexed, or wrote nothing at all, and a
+        # later sequence with the same tokens reused those never-written chunks
+        lambda c: c.add_sequence([1, 2, 3, 4], torch.zeros(L, 4, H, D).to_sparse(), torch.zeros(L, 4, H, D).to_sparse()),
+        lambda c: c.add_sequence([1, 2, 3, 4], torch.zeros(L, 4, H, D, device="meta"),
+                                 torch.zeros(L, 4, H, D, device="meta")),
+        lambda c: c.append_token(0, 1, torch.zeros(L, H, D).to_sparse(), torch.zeros(L, H, D).to_sparse()),
     ],
 )
 def test_bad_input_raises_a_clear_error_and_leaves_the_cache_unchanged(call) -> None:
