@@ -57,7 +57,14 @@ class LocalEngineClient:
         return dict(self.engine.stats())
 
     async def readiness(self) -> dict[str, Any]:
-        """An in-process engine serves as soon as it exists."""
+        """An in-process engine serves as soon as it exists, until its engine thread stops (then every request
+        would fail: /ready answers 503)."""
+        try:
+            check = getattr(self.engine, "check_alive", None)
+            if check is not None:
+                check()
+        except EngineDeadError as e:
+            return {"ready": False, "workers": 0, "reason": str(e)}
         return {"ready": True, "workers": 1}
 
     async def aclose(self) -> None:

@@ -222,7 +222,7 @@ class AsyncEngine:
 
     def _drain_inbox(self) -> None:
         core = self.core
-        failed: list[tuple[str, Any]] = []
+        replies: list[tuple[str, Any]] = []  # (request id, its error, or the last delta of an abort)
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
@@ -238,20 +238,27 @@ class AsyncEngine:
                                      arrival_time=req.arrival_time)
                     self._tenants[req.request_id] = req.tenant
                 except EngineError as e:
-                    failed.append((req.request_id, e))
+                    replies.append((req.request_id, e))
                 except (ValueError, TypeError) as e:  # anything else the core refuses is the request's fault
-                    failed.append((req.request_id, InvalidRequestError(str(e))))
+                    replies.append((req.request_id, InvalidRequestError(str(e))))
             elif kind == "abort":
-                core.abort(payload)
+                live = core.request(payload)
+                if core.abort(payload) and live is not None:  # a stream still open (`abort()` called) ends
+                    replies.append((payload, GenerateDelta(payload, [], "", len(live.prompt), live.num_cached or 0,
+                                                          len(live.output), "abort")))
                 self._tenants.pop(payload, None)
             elif kind == "call":  # (fn, concurrent future): run fn on the engine thread
                 fn, fut = payload
+                if not fut.set_running_or_notify_cancel():  # its caller gave up (a timeout, a cancellation)
+                    continue
                 try:
-                    fut.set_result(fn())
+                    result = fn()
                 except Exception as e:
                     fut.set_exception(e)
-        if failed:
-            self._deliver(failed)
+                else:
+                    fut.set_result(result)
+        if replies:
+            self._deliver(replies)
 
     def _run(self) -> None:
         lower_thread_priority(self.core.config.thread_nice)  # `cpu_budget.py`: the serving path goes first
@@ -302,6 +309,14 @@ class AsyncEngine:
             if kind == "call" and not payload[1].done():
                 payload[1].set_exception(EngineDeadError(why))
 
+    def _publish_events(self) -> None:
+        """Queues the cache's events of the last step for the worker's index publisher, and wakes it."""
+        events = self.core.cache.drain_events()
+        for ev in events:
+            self._events.put(ev)
+        if events and self._on_cache_events is not None:
+            self._notify_cache_events(self._on_cache_events)
+
     def _snapshot(self, clock: ThreadClock) -> EngineStats:
         return EngineStats.from_dict({**self.core.stats(), **clock.times.as_stats()})
 
@@ -331,13 +346,10 @@ class AsyncEngine:
                     self._tenants.pop(rid, None)
                     failed.append((rid, EngineStepError(f"engine step failed: {e}")))
                 self._deliver(failed)
+                self._publish_events()  # the emptied cache's evictions: the index must drop them now
                 continue
             last_step_s = clock.end()  # the step's wall time (lent threads follow short ones only)
-            events = core.cache.drain_events()
-            for ev in events:
-                self._events.put(ev)
-            if events and self._on_cache_events is not None:
-                self._notify_cache_events(self._on_cache_events)
+            self._publish_events()
             now = time.monotonic()
             deltas = []
             for out in outs:

@@ -99,6 +99,7 @@ class EngineCore:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) + 1 > self.max_model_len:
             raise PromptTooLongError(f"prompt of {len(ids)} tokens exceeds the context length {self.max_model_len}")
+        self.scheduler.pins.expire()  # pins expire in steps too, but an idle engine does not step
         c = self.cache.chunk_size
         usable = self.cache.pool.num_chunks - self.cache.num_pinned_chunks
         if -(-(len(ids) + 1) // c) - self.cache.pinned_prefix_chunks(ids, salt) > usable:  # its pinned prefix is no cost
@@ -120,6 +121,10 @@ class EngineCore:
         self.scheduler.abort(request_id)
         return True
 
+    def request(self, request_id: str) -> Request | None:
+        """The live request of that id, or None (unknown, or already ended)."""
+        return self._requests.get(request_id)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
@@ -130,6 +135,7 @@ class EngineCore:
         chunks it was to write into the prefix tree, and a later request must not reuse K/V never written."""
         self.failed_requests = []
         ended: list[StepOutput] = []
+        stepped: list[str] = []  # the step's requests: some may have ended in it before it failed
         try:
             self.cache.begin_step()
             try:
@@ -143,16 +149,17 @@ class EngineCore:
             self.num_steps += 1
             if not reqs:
                 return ended
+            stepped = [r.request_id for r in reqs]
             tokens, lps = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs],
                                               self.runner.sample_job)
             return ended + self._process(reqs, tokens, lps)
         except BaseException:
-            self._drop_everything([out.req.request_id for out in ended])
+            self._drop_everything([out.req.request_id for out in ended] + stepped)
             raise
 
     def _drop_everything(self, also: list[str]) -> None:
         """After a failed step: abort every request, release every pin, evict every chunk (events included)."""
-        self.failed_requests = list(self._requests) + also
+        self.failed_requests = list(dict.fromkeys([*self._requests, *also]))
         for rid in list(self._requests):
             self.abort(rid)
         self.scheduler.pins.release_all()

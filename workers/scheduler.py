@@ -92,6 +92,7 @@ class Scheduler(Preemption):
         """Queue a request. A pin over its tenant's quota or the pool's pin share raises `PinRefusedError`
         (nothing queued) when ``on_pool_full == "error"``, else the request runs unpinned."""
         if req.pin is not None:
+            self.pins.expire()  # an idle engine does not step, where pins expire otherwise
             why = self.pins.check(req.tenant, req.salt, req.prompt, req.pin)
             if why is not None:
                 self.pins.refused(req.tenant)
