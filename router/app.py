@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chunkserve import env
 from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
@@ -31,7 +32,7 @@ from chunkserve.heap import freeze_startup_heap
 from chunkserve.router.engine_client import HandleEngineClient
 from chunkserve.router.ingress import Ingress, IngressConfig
 from chunkserve.router.policy import PolicyConfig
-from chunkserve.router.tenants import load_tenants
+from chunkserve.router.tenants import load_tenants, parse_tenants
 from chunkserve.workers.engine_config import EngineConfig
 
 GRPC_SERVICER = "chunkserve.router.grpc_service.add_servicer_raw"  # raw bytes: size checked before parsing
@@ -83,7 +84,7 @@ class AppConfig(BaseModel):
     drain_grace_s: float = Field(30.0, ge=0.0)
     max_failovers: int = Field(2, ge=0)  # resends of a request whose worker died (see router/ingress.py)
     redis_url: str | None = None  # default: $CHUNKSERVE_REDIS_URL
-    lease_ttl_s: float = 5.0
+    lease_ttl_s: float = Field(5.0, gt=0.0, allow_inf_nan=False)
     namespace: str = "chunkserve"  # Redis key namespace of the prefix index and worker stats
     tenants: str | None = None  # a tenants YAML; None: open mode with the single tenant "public"
     # The workers' engine (chunk_size, dtype, ...): the ingress takes chunk_size and max_model_len from it too.
@@ -120,6 +121,41 @@ class AppConfig(BaseModel):
             raise ValueError(f"set {clash} as top-level AppConfig fields, not in router= (the workers publish "
                              f"to the index and the ingress reads their stats there too)")
         return data
+
+    @field_validator("autoscaling")
+    @classmethod
+    def _known_autoscaling_keys(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Ray's AutoscalingConfig ignores keys it does not know (``max_replica`` left a fleet at one worker)."""
+        if v is not None:
+            from ray.serve.config import AutoscalingConfig
+
+            unknown = sorted(set(v) - set(AutoscalingConfig.model_fields))
+            if unknown:
+                raise ValueError(f"unknown autoscaling keys {unknown}; Ray Serve's are "
+                                 f"{sorted(AutoscalingConfig.model_fields)}")
+            AutoscalingConfig(**v)  # its own value checks (min <= max, ...) at load
+        return v
+
+    def check_tenants_file(self) -> None:
+        """Raises ValueError unless ``tenants`` (when set) is a file that validates: `app_builder` and
+        `chunkserve up` call it at load, on the machine that will read it, rather than leaving the failure to
+        every ingress replica's constructor. (Not a field validator: a deploy file naming a path of the
+        cluster's must validate elsewhere too.)"""
+        if self.tenants is not None:
+            try:
+                parse_tenants(yaml.safe_load(Path(self.tenants).read_text(encoding="utf-8")))
+            except (OSError, yaml.YAMLError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+                raise ValueError(f"tenants file {self.tenants}: {e}") from None
+
+    @model_validator(mode="after")
+    def _one_meaning_each(self) -> AppConfig:
+        if "workers" in self.model_fields_set and self.autoscaling is not None:
+            raise ValueError("set either workers (a fixed count) or autoscaling (its min/max_replicas), not both: "
+                             "with autoscaling, workers was ignored")
+        if self.model is not None and self.engine.model is not None and self.model != self.engine.model:
+            raise ValueError(f"model {self.model!r} and engine.model {self.engine.model!r} differ: the ingress "
+                             f"tokenises for one and the workers run the other; set one of them")
+        return self
 
     def resolved_redis_url(self) -> str | None:
         return self.redis_url or env.redis_url()
@@ -202,7 +238,7 @@ class ServeIngress(Ingress):
 
     def __init__(self, worker_handle: Any, cfg_json: str) -> None:
         cfg = AppConfig.model_validate_json(cfg_json)
-        tokenizer, max_len, vocab = _model_info(cfg.model)
+        tokenizer, max_len, vocab = _model_info(cfg.worker_engine().model)  # what the workers load
         engine_max = cfg.engine.max_model_len  # the engine's rule: min(engine setting or model's, model's)
         icfg = IngressConfig(model_name=cfg.model_name, max_model_len=min(max_len, engine_max or max_len),
                              chunk_size=cfg.engine.chunk_size, vocab_size=vocab, max_failovers=cfg.max_failovers)
@@ -261,4 +297,6 @@ def app_builder(args: dict[str, Any]) -> Any:
     for key in ("engine", "router", "autoscaling", "worker_resources"):
         if isinstance(args.get(key), str):
             args[key] = json.loads(args[key])
-    return build_app(AppConfig(**args))
+    cfg = AppConfig(**args)
+    cfg.check_tenants_file()
+    return build_app(cfg)

@@ -94,7 +94,7 @@ class TenantConfig(BaseModel):
     @field_validator("id")
     @classmethod
     def _check_id(cls, v: str) -> str:
-        if not _ID_RE.match(v):
+        if not _ID_RE.fullmatch(v):  # match() let "$" accept a trailing newline
             raise ValueError(f"tenant id {v!r} must match {_ID_RE.pattern}")
         return v
 
@@ -108,7 +108,7 @@ class TenantConfig(BaseModel):
     def _check_hashes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         out = tuple(h.lower() for h in v)
         for h in out:
-            if not _HEX64_RE.match(h):
+            if not _HEX64_RE.fullmatch(h):
                 raise ValueError("api_key_sha256 entries must be sha256 hex digests (64 hex chars), "
                                  "not raw keys; use `chunkserve tenants hash-key`")
         return out
@@ -118,7 +118,7 @@ class TenantConfig(BaseModel):
     def _check_scope(cls, v: str) -> str:
         if v == "private":
             return v
-        if v.startswith("shared:") and _ID_RE.match(v[len("shared:"):]):
+        if v.startswith("shared:") and _ID_RE.fullmatch(v[len("shared:"):]):
             return v
         raise ValueError(f"cache_scope must be 'private' or 'shared:<group>', got {v!r}")
 

@@ -9,12 +9,19 @@ This module imports nothing heavy (no torch, no model), so the ingress process c
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from chunkserve.workers.sampling import is_integer
 
 QUANT_MODES = ("int8", "int4")  # block-quantised (Q8_0, Q4_1), see workers/quant.py
+# torch-free copies (the ingress validates engine configs without torch); tests check them against
+# kernels.api.BACKENDS, kernels.prefill.PREFILL_BACKENDS and workers.weights' dtype names
+ATTENTION_BACKENDS = ("torch", "triton", "paged-torch", "paged-triton", "reference", "auto")
+PREFILL_BACKENDS = ("torch", "triton", "auto")
+DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "auto")
+_DEVICE_RE = re.compile(r"(cpu|cuda(:\d+)?)")
 
 
 @dataclass(frozen=True)
@@ -69,3 +76,22 @@ class EngineConfig:
             raise ValueError(f"thread_nice must be an integer in [0, 19], got {self.thread_nice!r}")
         if self.quantization is not None and self.quantization not in QUANT_MODES:
             raise ValueError(f"quantization must be one of {QUANT_MODES} or None, got {self.quantization!r}")
+        self._check_choices()
+
+    def _check_choices(self) -> None:
+        """The named choices, at load rather than in a worker replica or at the first request."""
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.prefill_backend not in PREFILL_BACKENDS:
+            raise ValueError(f"prefill_backend must be one of {PREFILL_BACKENDS}, got {self.prefill_backend!r}")
+        if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES or (
+                self.dtype is not None and not isinstance(self.dtype, str) and type(self.dtype).__name__ != "dtype"):
+            raise ValueError(f"dtype must be one of {DTYPE_NAMES} or None, got {self.dtype!r}")
+        if isinstance(self.device, str) and not _DEVICE_RE.fullmatch(self.device) or (
+                not isinstance(self.device, str) and type(self.device).__name__ != "device"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<n>', got {self.device!r}")
+        if isinstance(self.max_pinned_fraction, bool) or not isinstance(self.max_pinned_fraction, int | float) \
+                or not 0 <= self.max_pinned_fraction < 1:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1), got {self.max_pinned_fraction!r}")
+        if self.extra:
+            raise ValueError(f"extra is not read by the engine; set the options as fields, got {self.extra!r}")

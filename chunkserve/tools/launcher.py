@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -47,13 +47,14 @@ FRONTS: tuple[Front, ...] = ("ray", "haproxy")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="chunkserve up", description=__doc__)
     ap.add_argument("--workers", type=int, default=None, help="worker replicas (default 2)")
-    ap.add_argument("--http-port", type=int, default=8000)
-    ap.add_argument("--grpc-port", type=int, default=9000)
-    ap.add_argument("--host", default="127.0.0.1", help="bind address of the proxies")
+    ap.add_argument("--http-port", type=int, default=None, help="default: the --config file's, else 8000")
+    ap.add_argument("--grpc-port", type=int, default=None, help="default: the --config file's, else 9000")
+    ap.add_argument("--host", default=None, help="bind address of the proxies (default: the file's, else 127.0.0.1)")
     ap.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     ap.add_argument("--address", default=None, help="join an existing Ray cluster (e.g. auto)")
-    ap.add_argument("--proxy-location", choices=["EveryNode", "HeadOnly"], default="EveryNode",
-                    help="HTTP/gRPC proxies on every node with a replica (Serve's default) or on the head only")
+    ap.add_argument("--proxy-location", choices=["EveryNode", "HeadOnly"], default=None,
+                    help="HTTP/gRPC proxies on every node with a replica (the default, Serve's) or on the head only "
+                    "(default: the --config file's)")
     ap.add_argument("--front", choices=FRONTS, default="ray",
                     help="what takes client connections: Ray Serve's proxy (default; clean JSON errors when an "
                     "ingress replica dies or while the app drains) or HAProxy in front of ingress replicas that "
@@ -86,12 +87,51 @@ class LaunchOptions:
     num_cpus: int | None = None  # CPUs of a local Ray (None: all)
     front: Front = "ray"  # Ray Serve's proxy, or HAProxy before direct-ingress replicas
     exit_after: float | None = None  # tests: stop by itself after this many seconds
+    env_vars: dict[str, str] = field(default_factory=dict)  # a Serve config file's app runtime_env env_vars
 
 
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
-    return LaunchOptions(http_port=args.http_port, grpc_port=args.grpc_port, host=args.host, address=args.address,
-                         proxy_location=args.proxy_location, num_cpus=args.num_cpus, exit_after=args.exit_after,
-                         front=args.front)
+    """The flags, else a Serve config file's own settings (``proxy_location``, ``http_options``,
+    ``grpc_options``), else the defaults."""
+    serve_cfg = _read_config(args.config)[1] if args.config else {}
+    http = serve_cfg.get("http_options") or {}
+    grpc = serve_cfg.get("grpc_options") or {}
+    d = LaunchOptions()
+
+    def pick(flag: Any, from_file: Any, default: Any) -> Any:
+        return flag if flag is not None else (from_file if from_file is not None else default)
+
+    return LaunchOptions(http_port=int(pick(args.http_port, http.get("port"), d.http_port)),
+                         grpc_port=int(pick(args.grpc_port, grpc.get("port"), d.grpc_port)),
+                         host=str(pick(args.host, http.get("host"), d.host)), address=args.address,
+                         proxy_location=pick(args.proxy_location, serve_cfg.get("proxy_location"), d.proxy_location),
+                         num_cpus=args.num_cpus, exit_after=args.exit_after, front=args.front,
+                         env_vars=_app_env_vars(serve_cfg))
+
+
+def _app_env_vars(serve_cfg: dict[str, Any]) -> dict[str, str]:
+    apps = serve_cfg.get("applications") or [{}]
+    env = ((apps[0] if isinstance(apps[0], dict) else {}).get("runtime_env") or {}).get("env_vars") or {}
+    return {str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {}
+
+
+def _read_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--config``: (AppConfig fields, the Serve-level settings of a Serve config file, else {})."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML: {e}") from None
+    serve_cfg: dict[str, Any] = {}
+    if isinstance(loaded, dict) and loaded.get("applications"):  # a Serve config file
+        serve_cfg = loaded
+        apps = loaded["applications"]
+        loaded = apps[0] if isinstance(apps, list) and apps else None
+    loaded = loaded.get("args", loaded) if isinstance(loaded, dict) else loaded
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a mapping of AppConfig fields (or a Serve config file)")
+    if serve_cfg.get("proxy_location") not in (None, "EveryNode", "HeadOnly"):
+        raise ValueError(f"{path}: proxy_location must be EveryNode or HeadOnly, got {serve_cfg['proxy_location']!r}")
+    return dict(loaded), serve_cfg
 
 
 def engine_json(text: str | None, flag: str = "--engine") -> dict[str, Any]:
@@ -106,26 +146,16 @@ def engine_json(text: str | None, flag: str = "--engine") -> dict[str, Any]:
 
 def app_config(args: argparse.Namespace) -> AppConfig:
     """The `AppConfig` the flags describe: ``--config`` (AppConfig fields, or a Serve config file whose first
-    application's args are used), then the flags on top. ``redis_url`` is ``--redis-url`` or None (start one)."""
+    application's args are used), then the flags on top. ``redis_url``: ``--redis-url``, else the file's, else
+    None (start one)."""
     from chunkserve.router.app import AppConfig
 
-    base: dict[str, Any] = {}
-    if args.config:
-        try:
-            loaded = yaml.safe_load(Path(args.config).read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"{args.config} is not valid YAML: {e}") from None
-        if isinstance(loaded, dict) and loaded.get("applications"):  # a Serve config file
-            apps = loaded["applications"]
-            loaded = apps[0] if isinstance(apps, list) and apps else None
-        loaded = loaded.get("args", loaded) if isinstance(loaded, dict) else loaded
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{args.config}: expected a mapping of AppConfig fields (or a Serve config file)")
-        base = dict(loaded)
+    base: dict[str, Any] = _read_config(args.config)[0] if args.config else {}
     if not isinstance(base.get("engine", {}), dict):
         raise ValueError("engine: expected a mapping of EngineConfig fields")
-    if args.workers is not None:
+    if args.workers is not None:  # the flag wins over the file's workers and autoscaling alike
         base["workers"] = args.workers
+        base.pop("autoscaling", None)
     if args.model is not None:
         base["model"] = args.model
     if args.tenants is not None:
@@ -140,8 +170,11 @@ def app_config(args: argparse.Namespace) -> AppConfig:
         base["drain_grace_s"] = args.drain_grace
     if args.num_cpus and not args.address:
         base.setdefault("node_cpus", args.num_cpus)  # the local Ray node has that many CPUs: budget those
-    base["redis_url"] = args.redis_url
-    return AppConfig(**base)
+    if args.redis_url is not None:
+        base["redis_url"] = args.redis_url
+    cfg = AppConfig(**base)
+    cfg.check_tenants_file()
+    return cfg
 
 
 def describe_threads(cfg: AppConfig) -> str:
@@ -219,7 +252,8 @@ def start(cfg: AppConfig, opts: LaunchOptions) -> None:
     if not cfg.redis_url:
         raise ValueError("start() needs cfg.redis_url (launch() starts a Redis server when it is None)")
     init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                            "runtime_env": {"env_vars": ray_env_vars(cfg.redis_url, opts.front)}}
+                            "runtime_env": {"env_vars": {**ray_env_vars(cfg.redis_url, opts.front), **opts.env_vars,
+                                                         "CHUNKSERVE_REDIS_URL": cfg.redis_url}}}
     if opts.address:
         init["address"] = opts.address
     elif opts.num_cpus:

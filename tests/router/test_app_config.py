@@ -38,6 +38,8 @@ def test_every_deploy_yaml_builds_through_app_builder() -> None:
     configs = _deploy_args()
     assert {"local.yaml", "gpu-cluster.yaml", "kuberay-rayservice.yaml"} <= set(configs)
     for name, args in configs.items():
+        if args.get("tenants") and not Path(args["tenants"]).exists():  # a path on the cluster's nodes
+            args = {**args, "tenants": str(ROOT / "deploy" / "tenants.example.yaml")}
         app = app_builder(args)
         assert type(app).__name__ == "Application", name
         cfg = AppConfig(**args)
@@ -101,11 +103,52 @@ def test_ingress_takes_chunk_size_and_context_length_from_the_engine_config(monk
     assert (ing.config.chunk_size, ing.config.max_model_len) == (128, 2048)  # engine unset: the model's
 
 
+def test_the_ingress_tokenises_for_the_model_the_workers_load(monkeypatch) -> None:
+    """With only engine.model set, the ingress took the embedded SmolLM2's tokenizer, context and vocabulary."""
+    import chunkserve.router.app as app_mod
+
+    seen: list[str | None] = []
+    monkeypatch.setattr(app_mod, "_model_info", lambda model: (seen.append(model), object(), 2048, 1000)[1:])
+    monkeypatch.delenv("CHUNKSERVE_REDIS_URL", raising=False)
+    ServeIngress(_Handle(), AppConfig(engine={"model": "random:tiny"}).model_dump_json())
+    assert seen == ["random:tiny"]
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    ({"workers": 4, "autoscaling": {"min_replicas": 1, "max_replicas": 2}}, "either workers"),
+    ({"autoscaling": {"min_replicas": 1, "max_replica": 16}}, "max_replica"),  # Ray ignored it: one worker
+    ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling"),
+    ({"model": "random:tiny", "engine": {"model": "/models/other"}}, "differ"),
+    ({"lease_ttl_s": 0}, "lease_ttl_s"),
+    ({"lease_ttl_s": float("nan")}, "lease_ttl_s"),
+    ({"engine": {"attention_backend": "trition"}}, "attention_backend"),
+    ({"engine": {"dtype": "float64"}}, "dtype"),
+    ({"engine": {"device": "gpu"}}, "device"),
+    ({"engine": {"max_pinned_fraction": 1.0}}, "max_pinned_fraction"),
+    ({"engine": {"extra": {"chunk_size": 32}}}, "extra"),
+])
+def test_values_that_were_ignored_or_failed_in_a_replica_are_refused_at_load(args: dict[str, Any],
+                                                                               fragment: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=fragment):
+        AppConfig(**args)
+
+
+def test_a_tenants_file_that_is_missing_or_invalid_fails_app_builder(tmp_path: Path) -> None:
+    bad = tmp_path / "tenants.yaml"
+    bad.write_text("tenants:\n  - id: acme\n    api_key_sha256: ['" + "0" * 64 + "']\n    rate_limits: {}\n")
+    with pytest.raises(ValueError, match="rate_limits"):
+        app_builder({"tenants": str(bad)})
+    with pytest.raises(ValueError, match="No such file"):
+        app_builder({"tenants": str(tmp_path / "absent.yaml")})
+
+
 def test_worker_engine_carries_the_model_and_the_gpu_device() -> None:
     eng = AppConfig(model="random:tiny", worker_num_gpus=1).worker_engine()
     assert (eng.model, eng.device) == ("random:tiny", "cuda")
-    eng = AppConfig(model="random:tiny", engine={"model": "random:small", "device": "cuda:1"}).worker_engine()
+    eng = AppConfig(engine={"model": "random:small", "device": "cuda:1"}).worker_engine()
     assert (eng.model, eng.device) == ("random:small", "cuda:1")
+    eng = AppConfig(model="random:small", engine={"model": "random:small"}).worker_engine()  # the same: fine
+    assert eng.model == "random:small"
     assert AppConfig().worker_engine().device == "cpu"
 
 

@@ -84,6 +84,9 @@ def test_open_mode_has_one_public_tenant_and_logs_it(caplog):
     _cfg(cache_scope="public"),
     _cfg(cache_scope="shared:"),
     _cfg(id="bad id"),
+    _cfg(id="acme\n"),  # re.match with "$" let a trailing newline through
+    _cfg(cache_scope="shared:grp\n"),
+    _cfg(api_key_sha256=["0" * 64 + "\n"]),
     _cfg(max_concurrent_requests=0),
     _cfg(rate_limit={"requests_per_second": 0}),
     _cfg(rate_limit={"requests_per_second": float("inf")}),  # broke the limiter at start

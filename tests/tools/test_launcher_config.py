@@ -19,7 +19,21 @@ def test_flags_on_top_of_a_serve_config_file_give_one_app_config() -> None:
     assert cfg.workers == 3 and cfg.node_cpus == 4 and cfg.redis_url is None
     assert (cfg.engine.chunk_size, cfg.engine.dtype, cfg.engine.kv_cache_gb) == (32, "float32", 1.0)  # YAML kept
     opts = launcher.launch_options(args)
-    assert (opts.http_port, opts.num_cpus, opts.proxy_location) == (8123, 4, "EveryNode")
+    # the flag wins; the rest comes from the file's own Serve settings (they were ignored)
+    assert (opts.http_port, opts.grpc_port, opts.num_cpus, opts.proxy_location) == (8123, 9000, 4, "HeadOnly")
+    assert opts.env_vars["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+
+
+def test_the_config_files_redis_url_is_kept_and_workers_flag_replaces_its_autoscaling(tmp_path: Path) -> None:
+    """The file's redis_url was dropped (a private Redis started instead), and --workers was ignored beside the
+    file's autoscaling."""
+    path = tmp_path / "app.yaml"
+    path.write_text("redis_url: redis://10.0.0.5:6379/0\nautoscaling: {min_replicas: 1, max_replicas: 8}\n")
+    cfg = launcher.app_config(launcher.parse_args(["--config", str(path)]))
+    assert cfg.redis_url == "redis://10.0.0.5:6379/0" and cfg.autoscaling == {"min_replicas": 1, "max_replicas": 8}
+    cfg = launcher.app_config(launcher.parse_args(["--config", str(path), "--workers", "4",
+                                                   "--redis-url", "redis://h:1/0"]))
+    assert (cfg.workers, cfg.autoscaling, cfg.redis_url) == (4, None, "redis://h:1/0")
 
 
 def test_misspelt_engine_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:

@@ -75,3 +75,16 @@ def test_texts_and_messages_the_tokenizer_cannot_take_are_refused_by_name(llm: L
         pytest.skip("random:tiny has no tokenizer with a chat template here")
     with pytest.raises((ValueError, TypeError), match=match):
         call(llm)
+
+
+def test_the_engine_configs_torch_free_choice_lists_match_the_kernels_and_the_loader() -> None:
+    """EngineConfig checks backends and dtypes without torch (the ingress validates it); the lists must agree."""
+    from chunkserve.kernels.api import BACKENDS
+    from chunkserve.kernels.prefill import PREFILL_BACKENDS
+    from chunkserve.workers import engine_config
+    from chunkserve.workers.weights import resolve_dtype
+
+    assert engine_config.ATTENTION_BACKENDS == BACKENDS and engine_config.PREFILL_BACKENDS == PREFILL_BACKENDS
+    for name in engine_config.DTYPE_NAMES:
+        if name not in ("float16", "fp16", "half"):  # not on a CPU
+            resolve_dtype(name, "cpu")
