@@ -103,7 +103,8 @@ class EngineCore:
         c = self.cache.chunk_size
         usable = self.cache.pool.num_chunks - self.cache.num_pinned_chunks
         if -(-(len(ids) + 1) // c) - self.cache.pinned_prefix_chunks(ids, salt) > usable:  # its pinned prefix is no cost
-            raise KVPoolTooSmallError(f"prompt of {len(ids)} tokens does not fit the KV pool ({usable * c} tokens)")
+            raise KVPoolTooSmallError(f"prompt of {len(ids)} tokens does not fit the KV pool of "  # no pin counts:
+                                      f"{self.cache.pool.num_chunks * c} tokens, part of which pinned prefixes hold")
         age = 0.0 if arrival_time is None else min(max(0.0, time.time() - arrival_time), MAX_QUEUE_AGE_S)
         req = Request(request_id, ids, params, salt, arrival=time.monotonic() - age, tenant=tenant, weight=weight,
                       pin=cache_pin)

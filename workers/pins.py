@@ -94,11 +94,13 @@ class PinManager:
         if used + n * c > spec.quota_tokens:
             return (f"the pin of {n * c} tokens would exceed tenant {tenant!r}'s pinned-token quota "
                     f"({used} of {spec.quota_tokens} in use on this worker)")
+        # the messages reach the tenant: they name its own figures and the pool's settings, never how much
+        # other tenants' pins hold (a private tenant could read another's traffic from that)
         if self.tree.num_pinned_chunks + unpinned > self.max_pinned_chunks:
-            return (f"the KV pool is full of pins: {self.tree.num_pinned_chunks} of at most "
-                    f"{self.max_pinned_chunks} chunks pinned, this pin needs {unpinned} more")
+            return (f"the KV pool's share for pins ({self.max_pinned_chunks * c} tokens) has no room for a pin of "
+                    f"{n * c} tokens now")
         if self.tree.pool.num_chunks - self.tree.num_pinned_chunks - unpinned < room_needed:
-            return f"the pin would leave a queued request of {room_needed} chunks no room in the KV pool"
+            return "the pin would leave a queued request no room in the KV pool"
         return None
 
     def pin(self, tenant: str, salt: bytes, prompt: list[int], spec: PinSpec, room_needed: int = 0) -> int:

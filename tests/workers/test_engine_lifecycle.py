@@ -157,3 +157,24 @@ def test_the_evictions_of_a_failed_step_reach_the_index_publisher_at_once() -> N
         asyncio.run(main())
     finally:
         eng.shutdown()
+
+
+def test_a_too_large_prompts_error_says_nothing_of_other_tenants_pins() -> None:
+    """The 413 named the pool less every tenant's pinned chunks: a private tenant read another's pins (their
+    size, creation, renewal, expiry) from its own error messages."""
+    core = EngineCore(_cfg(num_kv_chunks=64, max_pinned_fraction=0.5, max_model_len=2048))
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def refusal() -> str:
+        with pytest.raises(EngineError) as e:
+            core.add_request("probe", [7] * 1100, greedy, b"beta", tenant="beta")
+        return str(e.value)
+
+    before = refusal()
+    assert "KV pool" in before
+    pin = PinSpec(num_tokens=208, ttl_s=300.0, quota_tokens=4096, on_pool_full="error")
+    core.add_request("alpha", list(range(1, 230)), greedy, b"alpha", tenant="alpha", cache_pin=pin)
+    while core.has_work():
+        core.step()
+    assert core.cache.num_pinned_chunks > 0
+    assert refusal() == before

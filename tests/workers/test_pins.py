@@ -99,8 +99,10 @@ def test_pins_hold_at_most_their_share_of_the_pool_and_never_block_another_tenan
     sim.add("a1", PREFIX, 2, tenant="a", pin=spec())  # 64 chunks
     sim.drain()
     other = [7] * 4096
-    with pytest.raises(PinRefusedError, match="full of pins"):
+    with pytest.raises(PinRefusedError, match="share for pins") as refused:
         sim.add("b1", other, 2, tenant="b", salt=b"b", pin=spec())
+    # the message a private tenant reads names the pool's share and its own pin, not what tenant a holds
+    assert str(refused.value) == f"the KV pool's share for pins ({80 * 64} tokens) has no room for a pin of 4096 tokens now"
     # the rest of the pool still serves a large request of another tenant
     big = sim.add("b2", [8] * (95 * 64 - 10), 4, tenant="b")
     sim.drain()
