@@ -111,6 +111,10 @@ def to_openai_request(ingress: Ingress, msg: pb.GenerateRequest, stream: bool
     kinds = int(has_prompt) + int(len(msg.messages) > 0) + int(len(msg.prompt_token_ids) > 0)
     if kinds != 1:
         raise APIError(400, "set exactly one of prompt, messages or prompt_token_ids", param="prompt")
+    ctx = ingress.config.max_model_len  # each message costs a token at least: refused before validating them
+    if len(msg.messages) > ctx:
+        raise APIError(413, f"the request has {len(msg.messages)} messages; this model's context of {ctx} tokens "
+                       f"cannot hold them", code="context_length_exceeded")
     s = msg.sampling
     fields: dict[str, Any] = {"model": msg.model or ingress.config.model_name, "stream": stream}
     if s.HasField("max_tokens"):
@@ -159,9 +163,14 @@ class GrpcServiceMixin:
                             ) -> tuple[pb.GenerateRequest, Any]:
         received = time.time()
         tenant = self.authenticate_metadata(grpc_context.invocation_metadata())
-        request = parse_message(raw, self.config.max_body_bytes)
-        req = to_openai_request(self, request, stream)
-        return request, await self.prepare(tenant, req, self.new_request_id("grpc"), received)
+        lease = await self.admit(tenant)  # before parsing: as over HTTP (`http_app._prepared`)
+        try:
+            request = parse_message(raw, self.config.max_body_bytes)
+            req = to_openai_request(self, request, stream)
+        except BaseException:
+            await lease.finish()
+            raise
+        return request, await self.prepare(tenant, req, self.new_request_id("grpc"), received, lease)
 
     async def Generate(self: Any, request: bytes | pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
         """Unary generate: the whole completion and its usage."""

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from chunkserve.router.ingress import Ingress, Prepared
 
 logger = logging.getLogger(__name__)
+Req = TypeVar("Req", CompletionRequest, ChatCompletionRequest)
 
 
 class AbortOnDisconnectStreamingResponse(StreamingResponse):
@@ -76,7 +77,6 @@ def _error_response(e: APIError) -> JSONResponse:
 def create_app(ingress: Ingress) -> FastAPI:
     """The FastAPI app serving /v1/models, /v1/completions, /v1/chat/completions, /health, /ready, /metrics."""
     app = FastAPI(title="chunkserve", version="1", docs_url=None, redoc_url=None)
-    max_body = ingress.config.max_body_bytes
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -142,9 +142,7 @@ def create_app(ingress: Ingress) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         received = time.time()
-        tenant = ingress.authenticate(request.headers.get("authorization"))
-        req = parse_request(await _read_body(request, max_body), CompletionRequest, max_body)
-        prep = await ingress.prepare(tenant, req, ingress.new_request_id("cmpl"), received)
+        req, prep = await _prepared(ingress, request, CompletionRequest, "cmpl", received)
         if req.stream:
             return await _start_stream(request, ingress, prep, _completion_events(ingress, prep))
         text, _tokens, last = await _unless_disconnected(request, ingress.collect(prep))
@@ -155,9 +153,7 @@ def create_app(ingress: Ingress) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         received = time.time()
-        tenant = ingress.authenticate(request.headers.get("authorization"))
-        req = parse_request(await _read_body(request, max_body), ChatCompletionRequest, max_body)
-        prep = await ingress.prepare(tenant, req, ingress.new_request_id("chatcmpl"), received)
+        req, prep = await _prepared(ingress, request, ChatCompletionRequest, "chatcmpl", received)
         if req.stream:
             return await _start_stream(request, ingress, prep, _chat_events(ingress, prep))
         text, _tokens, last = await _unless_disconnected(request, ingress.collect(prep))
@@ -166,6 +162,21 @@ def create_app(ingress: Ingress) -> FastAPI:
                                           last.finish_reason, usage))
 
     return app
+
+
+async def _prepared(ingress: Ingress, request: Request, cls: type[Req], prefix: str, received: float
+                    ) -> tuple[Req, Prepared]:
+    """Authentication and admission, then the body read and parsed (so a tenant over its limits costs no
+    parsing, and a malformed request counts against them), then `Ingress.prepare`."""
+    tenant = ingress.authenticate(request.headers.get("authorization"))
+    lease = await ingress.admit(tenant)
+    try:
+        limit = ingress.config.max_body_bytes
+        req = parse_request(await _read_body(request, limit), cls, limit, ingress.config.max_model_len)
+    except BaseException:
+        await lease.finish()
+        raise
+    return req, await ingress.prepare(tenant, req, ingress.new_request_id(prefix), received, lease)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -5,18 +5,8 @@ authenticate -> rate-limit -> tokenize (+ chat template) -> hash chain with the 
 builds the FastAPI app on it, and its ``Generate`` / ``GenerateStream`` methods are the gRPC service
 (``grpc_context`` is Ray Serve's ``RayServegRPCContext`` or a ``grpc.aio.ServicerContext``).
 
-Under Ray Serve one deployment serves both proxies (see router/app.py)::
-
-    @serve.deployment
-    @serve.ingress()                      # the app comes from __serve_build_asgi_app__
-    class Front(Ingress):
-        def __init__(self, worker_handle):
-            super().__init__(HandleEngineClient(worker_handle), tokenizer, load_tenants(path),
-                             IngressConfig(model_name, max_model_len, chunk_size))
-
-    serve.start(grpc_options=gRPCOptions(grpc_servicer_functions=[
-        "chunkserve.v1.generate_pb2_grpc.add_ChunkServeServicer_to_server"]))
-
+Under Ray Serve one deployment (`router/app.py`'s ``ServeIngress``, under ``@serve.ingress()``: the app comes
+from ``__serve_build_asgi_app__``) serves both proxies, the gRPC servicer registered with ``grpc_options``.
 Without Ray, ``chunkserve.router.local_server.LocalServer`` serves it with uvicorn + ``grpc.aio``.
 Never give the subclass an attribute named ``app`` or a ``__call__`` (Ray's ASGI wrapper owns them).
 """
@@ -42,7 +32,7 @@ from chunkserve.router.engine_client import EngineClient, HandleEngineClient, en
 from chunkserve.router.failover import ResumedText, rebased, resume_request
 from chunkserve.router.grpc_service import GrpcServiceMixin
 from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, template_chars
-from chunkserve.router.ratelimit import Admission, AdmissionLease, RateLimited, RateLimiter
+from chunkserve.router.ratelimit import Admission, AdmissionLease, RateLimited, RateLimiter, RefusalMemo
 from chunkserve.router.server_metrics import ServerMetrics
 from chunkserve.router.tenants import AuthError, Tenant, TenantRegistry
 from chunkserve.workers.protocol import (
@@ -120,6 +110,7 @@ class Ingress(GrpcServiceMixin):
         self.tenants = tenants
         self.config = config
         self.limiter: Admission = limiter if limiter is not None else RateLimiter(tenants.tenants)
+        self.refusals = RefusalMemo()  # tenants just refused: `precheck` refuses them before parsing
         self.metrics = metrics if metrics is not None else ServerMetrics(config.model_name)
         self.created = int(time.time())
         self._vocab = config.vocab_size or len(tokenizer)
@@ -225,20 +216,29 @@ class Ingress(GrpcServiceMixin):
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from None
 
-    async def prepare(self, tenant: Tenant, req: CompletionRequest | ChatCompletionRequest,
-                      request_id: str, received: float | None = None) -> Prepared:
-        """Every check before the engine runs; raises APIError (4xx). Holds a lease on success. ``received``
-        (wall clock, default now) is when the frontend got the request: workers queue by it, so a request
-        held up here (a busy replica reading its body) keeps its place before later arrivals."""
-        t0 = time.monotonic()
+    async def admit(self, tenant: Tenant) -> AdmissionLease:
+        """Admission before the body is read: every request counts, a malformed one too; a tenant over its
+        limits costs no parsing, nor (just refused: `RefusalMemo`) a Redis trip. 429, or 503 when draining."""
         if self.draining or (self.drain_flag is not None and await self.drain_flag.is_set()):
             raise self.unavailable("this server is shutting down; retry on another replica")
-        self.check_model(req.model)
         try:
-            lease = await self.limiter.admit(tenant.id)
+            self.refusals.check(tenant.id)
+            return await self.limiter.admit(tenant.id)
         except RateLimited as e:
+            self.refusals.note(tenant.id, e)
             raise _rate_limited(e) from None
+
+    async def prepare(self, tenant: Tenant, req: CompletionRequest | ChatCompletionRequest,
+                      request_id: str, received: float | None = None,
+                      lease: AdmissionLease | None = None) -> Prepared:
+        """Every check before the engine runs; raises APIError (4xx). Holds a lease on success (``lease``: from
+        `admit`, released on failure). ``received`` (wall clock, default now): when the frontend got it; workers
+        queue by it, so a request held up here (a busy replica reading its body) keeps its place."""
+        t0 = time.monotonic()
+        if lease is None:
+            lease = await self.admit(tenant)
         try:
+            self.check_model(req.model)
             ids = await self.tokenize(req)
             sampling = self._sampling(req, len(ids))
             await lease.charge(len(ids) + sampling.max_tokens)
@@ -329,6 +329,7 @@ class Ingress(GrpcServiceMixin):
         finally:
             self._inflight -= 1
             await prep.lease.finish(n_prompt + len(sent))
+            self.refusals.released(tenant)
             now = time.monotonic()
             self.metrics.request_done(tenant, started, now - prep.t0, now - t_first, len(sent), reason)
 

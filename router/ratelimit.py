@@ -38,15 +38,48 @@ class AdmissionLease(Protocol):
 class RateLimited(Exception):
     """The tenant is over a limit (HTTP 429 / gRPC RESOURCE_EXHAUSTED); retry after ``retry_after`` s."""
 
-    def __init__(self, message: str, retry_after: float) -> None:
+    def __init__(self, message: str, retry_after: float, kind: str = "requests") -> None:
         super().__init__(message)
         self.message = message
         self.retry_after = max(0.0, retry_after)
+        self.kind = kind  # "requests" (requests/s), "concurrency" or "tokens" (tokens/min)
 
     @property
     def retry_after_header(self) -> str:
         """Whole seconds for the Retry-After header (at least 1)."""
         return str(max(1, math.ceil(self.retry_after)))
+
+
+class RefusalMemo:
+    """One ingress replica's memory of the tenants it just refused, so that their next requests are refused
+    before their bodies are read and parsed (a flood of large bodies from a tenant over its limits held the
+    event loop that every tenant shares). Over requests/s: until the bucket holds a request again, which no
+    replica can make sooner. Over concurrency: until one of its requests here ends, or ``max_hold_s``."""
+
+    def __init__(self, max_hold_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_hold_s = max_hold_s
+        self.clock = clock
+        self._until: dict[str, tuple[float, RateLimited]] = {}
+
+    def note(self, tenant_id: str, e: RateLimited) -> None:
+        if e.kind in ("requests", "concurrency"):  # tokens/min depends on the request's size: not remembered
+            hold = e.retry_after if e.kind == "requests" else min(e.retry_after, self.max_hold_s)
+            self._until[tenant_id] = (self.clock() + hold, e)
+
+    def check(self, tenant_id: str) -> None:
+        """Raises the remembered refusal (its wait shortened by the time passed) while it holds."""
+        held = self._until.get(tenant_id)
+        if held is not None:
+            left = held[0] - self.clock()
+            if left > 0:
+                raise RateLimited(held[1].message, left, held[1].kind)
+            del self._until[tenant_id]
+
+    def released(self, tenant_id: str) -> None:
+        """One of the tenant's requests ended here: a concurrency refusal no longer holds."""
+        held = self._until.get(tenant_id)
+        if held is not None and held[1].kind == "concurrency":
+            del self._until[tenant_id]
 
 
 def request_burst(rl: RateLimitConfig) -> int:
@@ -150,12 +183,13 @@ class RateLimiter:
             raise KeyError(f"unknown tenant {tenant_id!r}")
         if st.max_concurrent is not None and st.running >= st.max_concurrent:
             raise RateLimited(f"tenant {tenant_id!r} has {st.running} requests running, "
-                              f"its limit is {st.max_concurrent} concurrent requests", retry_after=1.0)
+                              f"its limit is {st.max_concurrent} concurrent requests", retry_after=1.0,
+                              kind="concurrency")
         if st.requests is not None:
             wait = st.requests.wait_time(1)
             if wait > 0:
                 raise RateLimited(f"tenant {tenant_id!r} is over its limit of "
-                                  f"{st.requests.rate:g} requests/s", retry_after=wait)
+                                  f"{st.requests.rate:g} requests/s", retry_after=wait, kind="requests")
             st.requests.take(1)
         st.running += 1
         return Lease(self, tenant_id)
@@ -174,7 +208,7 @@ class RateLimiter:
         if wait > 0:
             self._release(lease, None)
             raise RateLimited(f"tenant {lease.tenant_id!r} is over its limit of "
-                              f"{st.tokens.rate * 60:g} tokens/min", retry_after=wait)
+                              f"{st.tokens.rate * 60:g} tokens/min", retry_after=wait, kind="tokens")
         st.tokens.take(estimate)
         lease.charged_tokens += estimate
 

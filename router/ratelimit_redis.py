@@ -182,9 +182,9 @@ class ClusterRateLimiter:
             if not ok:
                 if int(why) == 1:
                     raise RateLimited(f"tenant {tenant_id!r} has {lim.max_concurrent} requests running across "
-                                      f"the cluster, its limit", retry_after=wait_ms / 1000)
+                                      f"the cluster, its limit", retry_after=wait_ms / 1000, kind="concurrency")
                 raise RateLimited(f"tenant {tenant_id!r} is over its limit of {lim.req_rate:g} requests/s",
-                                  retry_after=wait_ms / 1000)
+                                  retry_after=wait_ms / 1000, kind="requests")
         self._running[tenant_id] += 1
         return lease
 
@@ -210,7 +210,7 @@ class ClusterRateLimiter:
         if wait_ms > 0:
             await self._release(lease, None)
             raise RateLimited(f"tenant {lease.tenant_id!r} is over its limit of {lim.tok_rate * 60:g} tokens/min",
-                              retry_after=wait_ms / 1000)
+                              retry_after=wait_ms / 1000, kind="tokens")
         lease.charged_tokens += estimate
 
     async def _release(self, lease: ClusterLease, actual_tokens: int | None) -> None:
