@@ -21,7 +21,7 @@ QUANT_MODES = ("int8", "int4")  # block-quantised (Q8_0, Q4_1), see workers/quan
 ATTENTION_BACKENDS = ("torch", "triton", "paged-torch", "paged-triton", "reference", "auto")
 PREFILL_BACKENDS = ("torch", "triton", "auto")
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "auto")
-_DEVICE_RE = re.compile(r"(cpu|cuda(:\d+)?)")
+_DEVICE_RE = re.compile(r"(cpu|meta|cuda(:\d+)?)")  # meta: shapes only (tests of the step's host syncs)
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES} or None, got {self.dtype!r}")
         if isinstance(self.device, str) and not _DEVICE_RE.fullmatch(self.device) or (
                 not isinstance(self.device, str) and type(self.device).__name__ != "device"):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<n>', got {self.device!r}")
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<n>' (or 'meta'), got {self.device!r}")
         if isinstance(self.max_pinned_fraction, bool) or not isinstance(self.max_pinned_fraction, int | float) \
                 or not 0 <= self.max_pinned_fraction < 1:
             raise ValueError(f"max_pinned_fraction must be in [0, 1), got {self.max_pinned_fraction!r}")
