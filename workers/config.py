@@ -127,7 +127,7 @@ class ModelConfig:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         theta, scaling = _rope_from_hf(hf)
         attention_bias = bool(getattr(hf, "attention_bias", False))
-        sliding = getattr(hf, "sliding_window", None) if model_type == "mistral" else None
+        sliding = _sliding_window(hf, model_type)
         return cls(
             vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
             num_layers=hf.num_hidden_layers, num_heads=heads,
@@ -162,6 +162,22 @@ class ModelConfig:
         if model_type == "mistral":
             d["sliding_window"] = self.sliding_window
         return d
+
+
+def _sliding_window(hf: Any, model_type: str) -> int | None:
+    """The attention window when a layer uses one (the engine attends to the whole context, so `max_model_len`
+    is capped at it, where the two agree): Mistral's ``sliding_window``; Qwen2's ``layer_types`` entries of
+    ``sliding_attention`` (or, in older configs, ``use_sliding_window`` past ``max_window_layers``)."""
+    window = getattr(hf, "sliding_window", None)
+    if not window:
+        return None
+    if model_type == "mistral":
+        return int(window)
+    types = getattr(hf, "layer_types", None)
+    if types:
+        return int(window) if "sliding_attention" in types else None
+    used = getattr(hf, "use_sliding_window", False) and getattr(hf, "max_window_layers", 0) < hf.num_hidden_layers
+    return int(window) if used else None
 
 
 def _hf_config_from_dict(d: Mapping[str, Any]) -> Any:

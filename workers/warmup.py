@@ -80,6 +80,8 @@ def scratch_steps(core: EngineCore, max_tokens: int = 2) -> int:
                                                           [r.params for r in reqs], vocab)
     shared = [(7 * i + 3) % vocab for i in range(c)]
     prompts = [shared + [1 % vocab, 2 % vocab], shared + [3 % vocab], [(5 + i) % vocab for i in range(3)]]
+    room = max(1, core.max_model_len - max_tokens)  # a context shorter than a chunk: the prompts fit in it
+    prompts = [p[:room] for p in prompts]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         sched.add(Request(f"warmup-{i}", p, params))

@@ -5,6 +5,7 @@ Nothing is ever downloaded: every transformers call is `local_files_only=True`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -175,9 +176,24 @@ def load_checkpoint_dir(path: str | os.PathLike[str], *, dtype: torch.dtype, dev
         raise ValueError(f"model path {str(p)!r} is not a directory")
     if not (p / "config.json").is_file():
         raise ValueError(f"{str(p)!r} has no config.json (not a Hugging Face checkpoint directory)")
-    cfg = ModelConfig.from_hf(json.loads((p / "config.json").read_text()))
+    cfg = _with_generation_eos(ModelConfig.from_hf(json.loads((p / "config.json").read_text())), p)
     model = CausalLM.from_state_dict(cfg, _read_state_dict(p), dtype=dtype, device=device)
     return LoadedModel(model, _load_tokenizer(p) if load_tokenizer else None, cfg)
+
+
+def _with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
+    """``cfg`` with the end-of-sequence ids of the checkpoint's ``generation_config.json`` added, as HF's
+    ``generate`` uses them (Llama-3-Instruct lists its end-of-turn token only there)."""
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return cfg
+    try:
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError):
+        return cfg  # not a JSON object: HF would not read it either
+    extra = [eos] if isinstance(eos, int) else [e for e in eos if isinstance(e, int)] if isinstance(eos, list) else []
+    ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
+    return cfg if ids == cfg.eos_token_ids else dataclasses.replace(cfg, eos_token_id=ids)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
