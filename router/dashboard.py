@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from chunkserve.router.openai_api import error_body
 from chunkserve.router.server_metrics import aggregate_routing
+from chunkserve.router.tenants import AuthError, one_authorization
 
 if TYPE_CHECKING:
     from chunkserve.router.ingress import Ingress
@@ -102,7 +103,10 @@ def check_access(ingress: Ingress, request: Request) -> None:
         if host not in _LOCAL_HOSTS:
             raise DashboardAuthError(403, "open mode: the dashboard is served to local clients only")
         return
-    header = request.headers.get("authorization")
+    try:
+        header = one_authorization(request.headers.getlist("authorization"))
+    except AuthError as e:
+        raise DashboardAuthError(401, str(e)) from None
     if tenants.is_admin(header):
         return
     try:

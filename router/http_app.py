@@ -35,6 +35,7 @@ from chunkserve.router.openai_api import (
     usage_of,
     validation_to_api_error,
 )
+from chunkserve.router.tenants import AuthError, one_authorization
 
 if TYPE_CHECKING:
     from chunkserve.router.ingress import Ingress, Prepared
@@ -121,7 +122,7 @@ def create_app(ingress: Ingress) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        if not ingress.tenants.is_admin(request.headers.get("authorization")):
+        if not ingress.tenants.is_admin(_authorization(request)):
             raise APIError(403, "/metrics needs an admin key in tenant mode (admin_api_key_sha256 in the "
                                 "tenants file): send 'Authorization: Bearer <admin key>'",
                            type="permission_error", code="admin_key_required")
@@ -130,12 +131,12 @@ def create_app(ingress: Ingress) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
-        ingress.authenticate(request.headers.get("authorization"))
+        ingress.authenticate(_authorization(request))
         return models_response([ingress.config.model_name], ingress.created)
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> dict[str, Any]:
-        ingress.authenticate(request.headers.get("authorization"))
+        ingress.authenticate(_authorization(request))
         ingress.check_model(model_id)
         return models_response([model_id], ingress.created)["data"][0]
 
@@ -164,11 +165,19 @@ def create_app(ingress: Ingress) -> FastAPI:
     return app
 
 
+def _authorization(request: Request) -> str | None:
+    """The request's one Authorization value (401 for several: `tenants.one_authorization`)."""
+    try:
+        return one_authorization(request.headers.getlist("authorization"))
+    except AuthError as e:
+        raise APIError(401, str(e), type="authentication_error", code="invalid_api_key") from None
+
+
 async def _prepared(ingress: Ingress, request: Request, cls: type[Req], prefix: str, received: float
                     ) -> tuple[Req, Prepared]:
     """Authentication and admission, then the body read and parsed (so a tenant over its limits costs no
     parsing, and a malformed request counts against them), then `Ingress.prepare`."""
-    tenant = ingress.authenticate(request.headers.get("authorization"))
+    tenant = ingress.authenticate(_authorization(request))
     lease = await ingress.admit(tenant)
     try:
         limit = ingress.config.max_body_bytes

@@ -236,12 +236,18 @@ class TenantRegistry:
         return self.authenticate_key(bearer_key(authorization))
 
     def authenticate_metadata(self, metadata: Sequence[tuple[str, Any]]) -> Tenant:
-        """Authenticates gRPC invocation metadata (its ``authorization`` entry)."""
-        value: str | None = None
-        for k, v in metadata:
-            if k.lower() == "authorization":
-                value = v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-        return self.authenticate_header(value)
+        """Authenticates gRPC invocation metadata (its one ``authorization`` entry)."""
+        values = [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+                  for k, v in metadata if k.lower() == "authorization"]
+        return self.authenticate_header(one_authorization(values))
+
+
+def one_authorization(values: Sequence[str]) -> str | None:
+    """The one ``Authorization`` value of a request (None: none sent); AuthError for several (HTTP read the first
+    and gRPC the last, so a request could carry two tenants' keys and be taken as either)."""
+    if len(values) > 1:
+        raise AuthError(f"send one Authorization header, not {len(values)}")
+    return values[0] if values else None
 
 
 def bearer_key(authorization: str | None) -> str | None:

@@ -16,7 +16,7 @@ import pytest
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.router.local_server import LocalServer, local_ingress
 from chunkserve.router.openai_api import ChatCompletionRequest, parse_request
-from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants
+from chunkserve.router.tenants import AuthError, TenantRegistry, hash_api_key, parse_tenants
 from chunkserve.workers.engine import EngineConfig
 
 MODEL = "tiny-test"
@@ -229,6 +229,18 @@ def test_missing_or_unknown_api_key_is_401(server):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.http_url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_two_authorization_headers_are_refused_whichever_comes_first(server):
+    """HTTP read the first and gRPC the last: a request could carry two tenants' keys and be taken as either."""
+    body = json.dumps({"model": MODEL, "messages": _msgs()}).encode()
+    for pair in (("key-alpha", "key-nobody"), ("key-nobody", "key-alpha"), ("key-alpha", "key-beta")):
+        headers = [("Content-Type", "application/json"), *(("Authorization", f"Bearer {k}") for k in pair)]
+        r = httpx2.post(server.http_url + "/v1/chat/completions", content=body, headers=headers, timeout=60)
+        assert r.status_code == 401 and "one Authorization" in r.json()["error"]["message"], pair
+    meta = [("authorization", "Bearer key-alpha"), ("authorization", "Bearer key-beta")]
+    with pytest.raises(AuthError, match="one Authorization"):
+        server.ingress.tenants.authenticate_metadata(meta)
 
 
 def test_unknown_route_and_wrong_method_are_json_errors(server):
