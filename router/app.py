@@ -104,8 +104,9 @@ class AppConfig(BaseModel):
     workers_per_node: int | None = Field(None, ge=1)
     reserved_cpus: int = Field(1, ge=0)
     node_cpus: int | None = Field(None, ge=1)  # cores per node to budget (None: what each worker's node has)
-    # A busy worker also takes the threads of the idle workers on its node (workers/node_cores.py): a lone
-    # stream on a 2-core node with 2 workers decodes on both cores. Only with the thread rule above.
+    # A busy worker also takes the threads of the idle workers on its node (workers/node_cores.py), within
+    # `cpu_budget.rule_lend_cap` (nothing on a 2-core node, whose reserved core serves the requests). Only with
+    # the thread rule above.
     lend_idle_cores: bool = True
     # Tenant limits shared by all ingress replicas through Redis (when a Redis URL is known); False: each
     # ingress replica enforces them for the traffic it sees.

@@ -8,7 +8,7 @@ with labels ``{model_name, tenant, worker_id}``:
   (1.0 = exactly fair; `workers/fairness.FairShare.share`);
 * ``chunkserve:tenant_served_tokens_total{kind="prefill"|"decode"}``;
 * ``chunkserve:tenant_queue_time_seconds_total`` and ``chunkserve:tenant_admitted_total`` (their ratio
-  is the mean wait from arrival at the worker to admission);
+  is the mean wait from the frontend's arrival stamp to admission);
 * ``chunkserve:tenant_pinned_tokens`` (gauge) and ``chunkserve:tenant_pins_expired_total``,
   ``chunkserve:tenant_pins_refused_total``.
 """
