@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chunkserve import env
@@ -32,7 +31,7 @@ from chunkserve.heap import freeze_startup_heap
 from chunkserve.router.engine_client import HandleEngineClient
 from chunkserve.router.ingress import Ingress, IngressConfig
 from chunkserve.router.policy import PolicyConfig
-from chunkserve.router.tenants import load_tenants, parse_tenants
+from chunkserve.router.tenants import load_tenants
 from chunkserve.workers.engine_config import EngineConfig
 
 GRPC_SERVICER = "chunkserve.router.grpc_service.add_servicer_raw"  # raw bytes: size checked before parsing
@@ -144,8 +143,8 @@ class AppConfig(BaseModel):
         cluster's must validate elsewhere too.)"""
         if self.tenants is not None:
             try:
-                parse_tenants(yaml.safe_load(Path(self.tenants).read_text(encoding="utf-8")))
-            except (OSError, yaml.YAMLError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+                load_tenants(self.tenants)
+            except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
                 raise ValueError(f"tenants file {self.tenants}: {e}") from None
 
     @model_validator(mode="after")

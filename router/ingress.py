@@ -110,7 +110,7 @@ class Ingress(GrpcServiceMixin):
         self.tenants = tenants
         self.config = config
         self.limiter: Admission = limiter if limiter is not None else RateLimiter(tenants.tenants)
-        self.refusals = RefusalMemo()  # tenants just refused: `precheck` refuses them before parsing
+        self.refusals = RefusalMemo()  # tenants just refused: `admit` refuses them again without a Redis trip
         self.metrics = metrics if metrics is not None else ServerMetrics(config.model_name)
         self.created = int(time.time())
         self._vocab = config.vocab_size or len(tokenizer)

@@ -88,10 +88,13 @@ class EngineCore:
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(salt, bytes):
             raise InvalidRequestError(f"salt must be bytes, got {type(salt).__name__}")
-        toks = [] if isinstance(prompt_token_ids, str | bytes) else list(prompt_token_ids)
-        if isinstance(prompt_token_ids, str | bytes) or not all(is_integer(t) for t in toks):
+        if isinstance(prompt_token_ids, str | bytes):
             raise InvalidRequestError("prompt token ids must be integers")
-        ids = [int(t) for t in toks]
+        ids = list(prompt_token_ids)
+        if not all(type(t) is int for t in ids):  # the ingress's plain ints skip the slower general check
+            if not all(is_integer(t) for t in ids):
+                raise InvalidRequestError("prompt token ids must be integers")
+            ids = [int(t) for t in ids]
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.model_config.vocab_size

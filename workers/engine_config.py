@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from chunkserve.workers.sampling import is_integer
+from chunkserve.workers.sampling import is_integer, is_real
 
 QUANT_MODES = ("int8", "int4")  # block-quantised (Q8_0, Q4_1), see workers/quant.py
 # torch-free copies (the ingress validates engine configs without torch); tests check them against
@@ -57,8 +57,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not is_integer(self.chunk_size) or self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size!r}")
-        if isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, int | float) \
-                or not 0 < self.kv_cache_gb < float("inf"):
+        if not is_real(self.kv_cache_gb) or not 0 < self.kv_cache_gb < float("inf"):
             raise ValueError(f"kv_cache_gb must be a finite number > 0, got {self.kv_cache_gb!r}")
         for name in ("num_kv_chunks", "max_model_len"):  # None is the default; 0 is not
             value = getattr(self, name)
@@ -69,8 +68,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
-        if isinstance(self.fair_quantum, bool) or not (isinstance(self.fair_quantum, (int, float))
-                                                       and 0 <= self.fair_quantum < float("inf")):
+        if not is_real(self.fair_quantum) or not 0 <= self.fair_quantum < float("inf"):
             raise ValueError(f"fair_quantum must be a finite number >= 0, got {self.fair_quantum!r}")
         if isinstance(self.thread_nice, bool) or not isinstance(self.thread_nice, int) or not 0 <= self.thread_nice <= 19:
             raise ValueError(f"thread_nice must be an integer in [0, 19], got {self.thread_nice!r}")
@@ -90,8 +88,7 @@ class EngineConfig:
         if isinstance(self.device, str) and not _DEVICE_RE.fullmatch(self.device) or (
                 not isinstance(self.device, str) and type(self.device).__name__ != "device"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<n>' (or 'meta'), got {self.device!r}")
-        if isinstance(self.max_pinned_fraction, bool) or not isinstance(self.max_pinned_fraction, int | float) \
-                or not 0 <= self.max_pinned_fraction < 1:
+        if not is_real(self.max_pinned_fraction) or not 0 <= self.max_pinned_fraction < 1:
             raise ValueError(f"max_pinned_fraction must be in [0, 1), got {self.max_pinned_fraction!r}")
         if self.extra:
             raise ValueError(f"extra is not read by the engine; set the options as fields, got {self.extra!r}")

@@ -36,9 +36,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         if not is_integer(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):
+        if not is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):
             raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
-        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+        if not is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
@@ -67,6 +67,6 @@ def is_integer(x: object) -> bool:
     return True
 
 
-def _is_real(x: object) -> bool:
+def is_real(x: object) -> bool:
     """A real number that is not a bool (NaN fails the range checks that follow)."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
