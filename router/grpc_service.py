@@ -49,6 +49,10 @@ _GRPC_CODES: dict[int, grpc.StatusCode] = {
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
+# The status details travel as the grpc-message trailer, percent-encoded (up to 3 bytes a byte): a message that
+# echoes a long input (a model name) overflowed the client's metadata limit (8-16 KiB), which then reported
+# RESOURCE_EXHAUSTED instead of the status. Details are cut to this many UTF-8 bytes.
+MAX_DETAILS_BYTES = 1024
 
 
 def grpc_status(http_status: int) -> grpc.StatusCode:
@@ -70,9 +74,17 @@ class GrpcStatusError(Exception):
         return (GrpcStatusError, (self.code, self.details, self.trailing))
 
 
+def short_details(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
+    """``message`` cut to at most ``limit`` UTF-8 bytes (ending in "..." when cut)."""
+    raw = message.encode("utf-8", "replace")  # a lone surrogate (from an exception's text) becomes "?"
+    if len(raw) <= limit:
+        return raw.decode()
+    return raw[:limit - 3].decode("utf-8", "ignore") + "..."
+
+
 def _set_error(context: Any, e: APIError) -> GrpcStatusError:
     code = grpc_status(e.status)
-    details = e.message
+    details = short_details(e.message)
     trailing = []
     if "Retry-After" in e.headers:
         trailing = [("retry-after", e.headers["Retry-After"])]

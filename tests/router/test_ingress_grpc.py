@@ -175,3 +175,14 @@ def test_an_unexpected_failure_before_the_first_message_is_internal_with_a_plain
         ingress.prepare = real
     assert err.code() == grpc.StatusCode.INTERNAL
     assert err.details() == "internal error" and "KeyError" not in err.details()
+
+
+@pytest.mark.parametrize("kind", ["unary", "stream"])
+@pytest.mark.parametrize("model", ["x" * 100_000, "é" * 5_000])
+def test_grpc_very_long_model_name_is_not_found_with_a_bounded_message(stub, kind, model):
+    # the details echo the model name; unbounded, they overflowed the client's metadata limit (16 KiB) and the
+    # client saw RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" instead of NOT_FOUND
+    call = stub.Generate if kind == "unary" else stub.GenerateStream
+    err = _code(call, req(prompt="a", model=model), metadata=md(), timeout=60)
+    assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
+    assert err.details().startswith("The model `") and len(err.details().encode()) <= 1100
