@@ -46,6 +46,7 @@ _GRPC_CODES: dict[int, grpc.StatusCode] = {
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.INVALID_ARGUMENT,
+    403: grpc.StatusCode.PERMISSION_DENIED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
@@ -53,6 +54,9 @@ _GRPC_CODES: dict[int, grpc.StatusCode] = {
 # echoes a long input (a model name) overflowed the client's metadata limit (8-16 KiB), which then reported
 # RESOURCE_EXHAUSTED instead of the status. Details are cut to this many UTF-8 bytes.
 MAX_DETAILS_BYTES = 1024
+# A client's request_id comes back in every message of its stream: unbounded, a 4 MB id made a 50-token stream
+# send 20 MB (and a unary reply pass the client's 4 MB receive limit).
+MAX_REQUEST_ID_CHARS = 256
 
 
 def grpc_status(http_status: int) -> grpc.StatusCode:
@@ -123,6 +127,9 @@ def to_openai_request(ingress: Ingress, msg: pb.GenerateRequest, stream: bool
     kinds = int(has_prompt) + int(len(msg.messages) > 0) + int(len(msg.prompt_token_ids) > 0)
     if kinds != 1:
         raise APIError(400, "set exactly one of prompt, messages or prompt_token_ids", param="prompt")
+    if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
+        raise APIError(400, f"request_id has {len(msg.request_id)} characters; at most {MAX_REQUEST_ID_CHARS} "
+                            f"are allowed", param="request_id")
     ctx = ingress.config.max_model_len  # each message costs a token at least: refused before validating them
     if len(msg.messages) > ctx:
         raise APIError(413, f"the request has {len(msg.messages)} messages; this model's context of {ctx} tokens "

@@ -186,3 +186,19 @@ def test_grpc_very_long_model_name_is_not_found_with_a_bounded_message(stub, kin
     err = _code(call, req(prompt="a", model=model), metadata=md(), timeout=60)
     assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
     assert err.details().startswith("The model `") and len(err.details().encode()) <= 1100
+
+
+@pytest.mark.parametrize("kind", ["unary", "stream"])
+def test_grpc_request_id_longer_than_256_characters_is_invalid_argument(stub, kind):
+    # the id comes back in every stream message: unbounded, a 4 MB id multiplied the reply by the token count
+    call = stub.Generate if kind == "unary" else stub.GenerateStream
+    err = _code(call, req(prompt="a", request_id="r" * 257), metadata=md(), timeout=60)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.details()
+    ok = stub.Generate(req(prompt="a", request_id="r" * 256), metadata=md(), timeout=60)
+    assert ok.request_id == "r" * 256
+
+
+def test_grpc_status_maps_http_403_to_permission_denied():
+    from chunkserve.router.grpc_service import grpc_status
+
+    assert grpc_status(403) == grpc.StatusCode.PERMISSION_DENIED
