@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 INT64_MAX = 2**63 - 1
 
@@ -120,6 +120,13 @@ class _SamplingFields(_Strict):
             raise ValueError("at most 4 stop sequences are supported")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and info.data.get("stream") is not True:  # as OpenAI and vLLM: a 400, not ignored
+            raise ValueError("stream_options is only allowed when stream is true")
         return v
 
     @field_validator("n")
