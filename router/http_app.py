@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from chunkserve.router.openai_api import (
@@ -196,15 +197,18 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}",
                        code="request_too_large")
     buf = bytearray()
-    async for part in request.stream():
-        buf += part
-        if len(buf) > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    try:
+        async for part in request.stream():
+            buf += part
+            if len(buf) > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    except ClientDisconnect:  # gone mid-upload: a 499 as any client that left, not a 500
+        raise ClientDisconnected() from None
     return bytes(buf)
 
 
 class ClientDisconnected(Exception):
-    """The client went away before a non-streaming response was ready."""
+    """The client went away before its response was ready (while sending its body, or waiting for the answer)."""
 
 
 async def _watch_disconnect(request: Request) -> None:

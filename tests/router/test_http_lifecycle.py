@@ -3,6 +3,8 @@ is released however the client leaves, and input OpenAI refuses is a 4xx here to
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
 
 import httpx2
@@ -44,3 +46,23 @@ def test_stream_options_without_stream_true_is_a_400_naming_stream_options(serve
     assert r.status_code == 200, r.text  # an explicit null is no option
     r = _post(server, path, {"model": MODEL, **body, "stream": True, "stream_options": {"include_usage": True}})
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+
+
+def _errors(server: LocalServer, code: str) -> float:
+    return server.ingress.metrics.request_errors.labels(model_name=MODEL, code=code)._value.get()
+
+
+def test_client_that_disconnects_while_sending_its_body_is_no_server_error_and_frees_its_lease(server):
+    """A body cut short by the client raised Starlette's ClientDisconnect: a logged 500 traceback and a 500 in the
+    error metrics for every client that gave up mid-upload. It is now the 499 of any other client that left."""
+    e500, e499 = _errors(server, "500"), _errors(server, "499")
+    with socket.create_connection((server.host, server.http_port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-alpha\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+        time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while _errors(server, "499") == e499 and _errors(server, "500") == e500 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _errors(server, "500") == e500
+    assert _errors(server, "499") == e499 + 1
+    assert server.ingress.limiter.running("alpha") == 0
