@@ -267,6 +267,9 @@ async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[
     try:
         async with aclosing(ingress.stream(prep)) as stream:
             async for d in stream:
+                if d.finish_reason == "abort":  # ended, not finished: the error below, never a "stop" chunk
+                    last = d
+                    break
                 if kind == "chat" and last is None:
                     sent = True
                     yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))

@@ -3,9 +3,11 @@ is released however the client leaves, and input OpenAI refuses is a 4xx here to
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import aclosing
 
 import httpx2
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from chunkserve.router.local_server import LocalServer, local_ingress
 from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenants
 from chunkserve.workers.engine import EngineConfig
+from chunkserve.workers.protocol import GenerateDelta
 
 MODEL = "tiny-lifecycle"
 
@@ -65,4 +68,48 @@ def test_client_that_disconnects_while_sending_its_body_is_no_server_error_and_f
         time.sleep(0.02)
     assert _errors(server, "500") == e500
     assert _errors(server, "499") == e499 + 1
+    assert server.ingress.limiter.running("alpha") == 0
+
+
+def _events(r: httpx2.Response) -> list:
+    return [ln[6:] if ln[6:] == "[DONE]" else json.loads(ln[6:]) for ln in r.text.split("\n") if ln.startswith("data: ")]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_a_stream_the_engine_aborts_reports_an_error_never_finish_reason_stop(server, path, body):
+    """The engine's "abort" delta (`engine.abort(request_id)`) was streamed as a chunk with finish_reason "stop",
+    then the error event: the client read a finished answer and an error. Mid-stream it is now the error event
+    alone; before any token a 503, as a non-streaming request gets."""
+    engine = server.ingress.engine
+    real = engine.generate
+
+    def aborting(after: int):  # type: ignore[no-untyped-def]
+        async def generate(req, *args):  # type: ignore[no-untyped-def]
+            n = 0
+            async with aclosing(real(req, *args)) as deltas:
+                async for d in deltas:
+                    if n == after:
+                        break
+                    n += 1
+                    yield d
+            yield GenerateDelta(req.request_id, [], "", len(req.prompt_token_ids), 0, n, "abort")
+        return generate
+
+    req = {"model": MODEL, **body, "stream": True, "max_tokens": 40, "ignore_eos": True}
+    try:
+        engine.generate = aborting(1)
+        r = _post(server, path, req)
+        assert r.status_code == 200
+        events = _events(r)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_aborted"
+        reasons = [c["finish_reason"] for e in events[:-2] for c in e["choices"]]
+        assert reasons and all(x is None for x in reasons), events
+        engine.generate = aborting(0)
+        r = _post(server, path, req)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_aborted", r.text
+    finally:
+        engine.generate = real
     assert server.ingress.limiter.running("alpha") == 0
