@@ -223,7 +223,7 @@ class Ingress(GrpcServiceMixin):
             raise self.unavailable("this server is shutting down; retry on another replica")
         try:
             self.refusals.check(tenant.id)
-            return await self.limiter.admit(tenant.id)
+            return self.refusals.watch(tenant.id, await self.limiter.admit(tenant.id))
         except RateLimited as e:
             self.refusals.note(tenant.id, e)
             raise _rate_limited(e) from None
@@ -328,8 +328,7 @@ class Ingress(GrpcServiceMixin):
             raise
         finally:
             self._inflight -= 1
-            await prep.lease.finish(n_prompt + len(sent))
-            self.refusals.released(tenant)
+            await prep.lease.finish(n_prompt + len(sent))  # also a release for `refusals` (`RefusalMemo.watch`)
             now = time.monotonic()
             self.metrics.request_done(tenant, started, now - prep.t0, now - t_first, len(sent), reason)
 

@@ -81,6 +81,25 @@ class RefusalMemo:
         if held is not None and held[1].kind == "concurrency":
             del self._until[tenant_id]
 
+    def watch(self, tenant_id: str, lease: AdmissionLease) -> AdmissionLease:
+        """``lease``, whose finish also counts as a release here: however its request ends (served, a bad body,
+        a failed check), a concurrency refusal of its tenant stops holding once its slot is free."""
+        return _WatchedLease(lease, self, tenant_id)
+
+
+class _WatchedLease:
+    def __init__(self, inner: AdmissionLease, memo: RefusalMemo, tenant_id: str) -> None:
+        self.inner, self.memo, self.tenant_id = inner, memo, tenant_id
+
+    async def charge(self, estimate: int) -> None:
+        await self.inner.charge(estimate)
+
+    async def finish(self, actual_tokens: int | None = None) -> None:
+        try:
+            await self.inner.finish(actual_tokens)
+        finally:
+            self.memo.released(self.tenant_id)
+
 
 def request_burst(rl: RateLimitConfig) -> int:
     """Requests a tenant may send at once: its ``burst_requests``, else one second's worth (at least 1)."""

@@ -5,6 +5,7 @@ a flood of 4 MiB bodies from one tenant stalled the others' requests ~100x while
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -114,3 +115,20 @@ def test_the_refusal_memo_holds_a_rate_refusal_for_its_wait_and_a_concurrency_on
     assert e.value.retry_after == pytest.approx(0.5)
     now[0] += 0.6
     memo.check("a")
+
+
+def test_a_request_that_fails_before_running_ends_its_tenants_concurrency_refusal(server: LocalServer) -> None:
+    """A request admitted, then failing before it ran (here: its body, which arrives after admission, is not
+    JSON), freed its slot but not the refusal its tenant got meanwhile: the tenant's next requests were refused
+    for up to a second with its slot free. Every lease's finish now ends a concurrency refusal."""
+    with socket.create_connection((server.host, server.http_port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-narrow\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 9\r\n\r\n{not")
+        deadline = time.monotonic() + 5  # admitted before its body is read: it holds narrow's one slot
+        while server.ingress.limiter.running("narrow") == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        refused = _post(server, _chat(), "key-narrow")
+        assert refused.status_code == 429 and "concurrent" in refused.text
+        s.sendall(b" json")  # the rest of the body: not JSON, a 400
+        assert s.recv(4096).startswith(b"HTTP/1.1 400")
+    assert _post(server, _chat(), "key-narrow").status_code == 200  # at once, not after the memo's hold
