@@ -228,6 +228,8 @@ class GrpcServiceMixin:
             async with aclosing(self.stream(prep)) as s:
                 async for d in s:
                     last = d
+                    if d.finish_reason == "abort":  # ended, not finished: UNAVAILABLE below, no finished message
+                        break
                     done = d.finish_reason is not None
                     if d.token_ids or done:
                         yield pb.GenerateStreamResponse(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import aclosing
 
 import grpc
 import pytest
@@ -15,6 +16,7 @@ from chunkserve.router.tenants import TenantRegistry, hash_api_key, parse_tenant
 from chunkserve.v1 import generate_pb2 as pb
 from chunkserve.v1 import generate_pb2_grpc as pb_grpc
 from chunkserve.workers.engine import EngineConfig
+from chunkserve.workers.protocol import GenerateDelta
 
 MODEL = "tiny-grpc"
 CTX = 512
@@ -202,3 +204,28 @@ def test_grpc_status_maps_http_403_to_permission_denied():
     from chunkserve.router.grpc_service import grpc_status
 
     assert grpc_status(403) == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_grpc_stream_the_engine_aborts_ends_unavailable_without_a_finished_message(server, stub):
+    # the engine's "abort" delta was sent as a last message with finish_reason "abort" before the status
+    engine = server.ingress.engine
+    real = engine.generate
+
+    async def generate(req, *args):  # one token, then the engine's abort
+        async with aclosing(real(req, *args)) as deltas:
+            async for d in deltas:
+                yield d
+                break
+        yield GenerateDelta(req.request_id, [], "", len(req.prompt_token_ids), 0, 1, "abort")
+
+    engine.generate = generate
+    got: list[pb.GenerateStreamResponse] = []
+    try:
+        with pytest.raises(grpc.RpcError) as ei:
+            for m in stub.GenerateStream(req(prompt="a", sampling={"max_tokens": 20, "ignore_eos": True}),
+                                         metadata=md(), timeout=60):
+                got.append(m)
+    finally:
+        engine.generate = real
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert got and all(m.finish_reason == "" for m in got)
