@@ -272,15 +272,18 @@ async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[
                     break
                 if kind == "chat" and last is None:
                     sent = True
-                    yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+                    yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                                         null_usage=prep.include_usage))
                 last = d
                 if d.text or d.finish_reason is not None:
                     sent = True
                     if kind == "chat":
                         delta = {"content": d.text} if d.text else {}
-                        yield sse(chat_chunk(rid, model, created, delta, d.finish_reason))
+                        yield sse(chat_chunk(rid, model, created, delta, d.finish_reason,
+                                             null_usage=prep.include_usage))
                     else:
-                        yield sse(completion_chunk(rid, model, created, d.text, d.finish_reason))
+                        yield sse(completion_chunk(rid, model, created, d.text, d.finish_reason,
+                                                   null_usage=prep.include_usage))
     except APIError as e:
         if not sent:
             raise

@@ -310,13 +310,15 @@ def chat_response(rid: str, model: str, created: int, text: str, finish_reason: 
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any] | None,
-               finish_reason: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One chat SSE chunk; ``delta=None`` makes the final usage-only chunk (empty choices)."""
+               finish_reason: str | None = None, usage: dict[str, Any] | None = None,
+               null_usage: bool = False) -> dict[str, Any]:
+    """One chat SSE chunk; ``delta=None`` makes the final usage-only chunk (empty choices). ``null_usage``:
+    ``"usage": null`` in a chunk without usage, as OpenAI sends every other chunk under ``include_usage``."""
     choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
                                          "finish_reason": openai_finish_reason(finish_reason)}]
     body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": choices}
-    if usage is not None:
+    if usage is not None or null_usage:
         body["usage"] = usage
     return body
 
@@ -332,13 +334,14 @@ def completion_response(rid: str, model: str, created: int, text: str, finish_re
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None,
-                     usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One completions SSE chunk; ``text=None`` makes the final usage-only chunk (empty choices)."""
+                     usage: dict[str, Any] | None = None, null_usage: bool = False) -> dict[str, Any]:
+    """One completions SSE chunk; ``text=None`` makes the final usage-only chunk (empty choices); ``null_usage``
+    as in `chat_chunk`."""
     choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None,
                                         "finish_reason": openai_finish_reason(finish_reason)}]
     body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
                             "choices": choices}
-    if usage is not None:
+    if usage is not None or null_usage:
         body["usage"] = usage
     return body
 

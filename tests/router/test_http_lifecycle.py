@@ -51,6 +51,22 @@ def test_stream_options_without_stream_true_is_a_400_naming_stream_options(serve
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_with_include_usage_every_chunk_but_the_last_carries_usage_null(server, path, body):
+    """OpenAI's wire format under ``include_usage``: every chunk has a ``usage`` key, null but in the last (empty
+    choices); without it, no chunk has one. The other chunks left the key out."""
+    req = {"model": MODEL, **body, "stream": True, "max_tokens": 4}
+    chunks = [json.loads(ln[6:]) for ln in _post(server, path, {**req, "stream_options": {"include_usage": True}})
+              .text.split("\n") if ln.startswith("data: {")]
+    assert len(chunks) >= 3 and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+    plain = [json.loads(ln[6:]) for ln in _post(server, path, req).text.split("\n") if ln.startswith("data: {")]
+    assert plain and all("usage" not in c for c in plain)
+
+
 def _errors(server: LocalServer, code: str) -> float:
     return server.ingress.metrics.request_errors.labels(model_name=MODEL, code=code)._value.get()
 
