@@ -191,7 +191,8 @@ def _with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
         eos = json.loads(gen.read_text()).get("eos_token_id")
     except (ValueError, AttributeError):
         return cfg  # not a JSON object: HF would not read it either
-    extra = [eos] if isinstance(eos, int) else [e for e in eos if isinstance(e, int)] if isinstance(eos, list) else []
+    listed = eos if isinstance(eos, list) else [eos]  # one id or a list of them
+    extra = [e for e in listed if isinstance(e, int) and not isinstance(e, bool)]
     ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
     return cfg if ids == cfg.eos_token_ids else dataclasses.replace(cfg, eos_token_id=ids)
 
