@@ -134,6 +134,32 @@ def test_block_linear_outputs_are_bitwise_the_same_whatever_the_isa_it_was_built
             assert torch.equal(BlockLinear(other, qw, b, torch.bfloat16, torch.float32)(x), want), (cls, rows)
 
 
+def test_norm_and_swiglu_prologues_are_bitwise_the_same_on_an_avx2_build(tmp_path: Path) -> None:
+    # the 16-lane prologue (AVX-512) does the 8-lane one's arithmetic lane for lane and sums the squares in its
+    # order, so an AVX2-only build must give the same bits (huge, tiny and infinite inputs included; a NaN
+    # quantises to -128, which the AVX2 build's vpmaddubsw pairs saturate, so NaN rows differ by design)
+    kern, cxx = load_kernel(), env.cxx_compiler()
+    if kern is None or cxx is None:
+        pytest.skip("no C++ compiler: the fallback is F.linear")
+    lib = tmp_path / "qmatmul_avx2.so"
+    subprocess.run([cxx, *FLAGS, "-mno-avx512f", str(SOURCE), "-o", str(lib)], check=True, capture_output=True,
+                   timeout=300)
+    other = QKernel(lib)
+    g = torch.Generator().manual_seed(11)
+    qw = Q8Weight.quantize(_weight(48, 96, 5))
+    ln = (torch.rand(96, generator=g) + 0.5).to(torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(13, 192, generator=g) * 4
+        x[0, :8] = torch.tensor([float("inf"), 1e30, -1e30, 1e-40, -100.0, 90.0, 0.0, -0.0])
+        x = x.to(dtype)
+        for kw in ({"norm": (ln, 1e-5)}, {"glu": True}):
+            cols = 192 if "glu" in kw else 96
+            want = BlockLinear(kern, qw, None, dtype, dtype, **kw)(x[:, :cols])
+            got = BlockLinear(other, qw, None, dtype, dtype, **kw)(x[:, :cols])
+            assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (dtype, kw)
+
+
 @pytest.mark.parametrize("cls", [Q8Weight, Q4Weight])
 @pytest.mark.parametrize("n", [48, 28])  # 28: the second pair of groups has 12 real outputs (the scalar store)
 def test_wide_tiles_write_bf16_outputs_with_bias_and_accumulation_as_a_row_alone_does(cls: type, n: int) -> None:

@@ -119,10 +119,78 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
+#if CS_Q_AVX2 && defined(__AVX512F__)
+#define CS_Q_AVX512 1
+// The same arithmetic as the 8-lane helpers above, 16 lanes at a time (AVX512F only).
+inline __m512 vexp_neg16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 dead = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 fl = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(fl, _mm512_set1_ps(-2.12194440e-4f),
+                                    _mm512_fnmadd_ps(fl, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fl), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~dead), p, _mm512_castsi512_ps(e));
+}
+
+inline __m512 round16(int dtype, __m512 v) {
+  if (dtype == 0) return v;
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  const __m512 r = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, v);
+}
+
+inline __m512 load16(const void* x, int dtype, int64_t i) {
+  if (dtype == 0) return _mm512_loadu_ps(static_cast<const float*>(x) + i);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512 vsilu16(__m512 g) {
+  const __m512i gi = _mm512_castps_si512(g);
+  const __m512 e = vexp_neg16(_mm512_castsi512_ps(_mm512_or_si512(gi, _mm512_set1_epi32(static_cast<int>(0x80000000u)))));
+  const __m512 num = _mm512_mask_mul_ps(g, _mm512_cmplt_epi32_mask(gi, _mm512_setzero_si512()), g, e);  // sign set: g e^g
+  return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+inline __m256 hi8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+#else
+#define CS_Q_AVX512 0
+#endif
+
 // The row's K inputs in fp32, after the optional prologue: SwiGLU (glu: the row holds 2K values, gate then up;
 // f = silu(gate) * up) and RMSNorm (norm_w: f = f / sqrt(mean(f^2) + eps) * norm_w, statistics in fp32).
 inline void load_row(const void* x, int dtype, int64_t K, bool glu, const void* norm_w, float eps, float* f) {
   int64_t j = 0;
+#if CS_Q_AVX512
+  if (K % 16 == 0) {  // always: K % 32 == 0. Squares summed in 8 lanes in the order of the 8-lane loop below
+    __m256 ss = _mm256_setzero_ps();
+    for (; j < K; j += 16) {
+      __m512 v = load16(x, dtype, j);
+      if (glu) v = round16(dtype, _mm512_mul_ps(round16(dtype, vsilu16(v)), load16(x, dtype, K + j)));
+      const __m256 lo = _mm512_castps512_ps256(v);
+      ss = _mm256_fmadd_ps(hi8(v), hi8(v), _mm256_fmadd_ps(lo, lo, ss));
+      _mm512_storeu_ps(f + j, v);
+    }
+    if (norm_w != nullptr) {
+      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(hsum8(ss) / static_cast<float>(K) + eps));
+      for (j = 0; j < K; j += 16)
+        _mm512_storeu_ps(f + j, round16(dtype, _mm512_mul_ps(round16(dtype, _mm512_mul_ps(_mm512_loadu_ps(f + j), inv)),
+                                                             load16(norm_w, dtype, j))));
+    }
+    return;
+  }
+#endif
 #if CS_Q_AVX2
   if (K % 8 == 0) {  // always: K % 32 == 0
     __m256 ss = _mm256_setzero_ps();
@@ -159,7 +227,25 @@ inline void quantize_row(const float* f, int64_t K, int8_t* q, float* a, float* 
   const int64_t nb = K / kBlock;
   for (int64_t b = 0; b < nb; ++b) {
     const float* buf = f + b * kBlock;
-#if CS_Q_AVX2
+#if CS_Q_AVX512
+    const __m512 v0 = _mm512_loadu_ps(buf), v1 = _mm512_loadu_ps(buf + 16);
+    // amax in the 8-lane code's order (vmaxps keeps its second operand when one is NaN)
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_max_ps(_mm256_setzero_ps(), _mm256_and_ps(_mm512_castps512_ps256(v0), absmask));
+    mx = _mm256_max_ps(mx, _mm256_and_ps(hi8(v0), absmask));
+    mx = _mm256_max_ps(mx, _mm256_and_ps(_mm512_castps512_ps256(v1), absmask));
+    mx = _mm256_max_ps(mx, _mm256_and_ps(hi8(v1), absmask));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));  // round half to even
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(i0));  // saturating, as packs
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(i1));
+    a[b] = d;
+    s[b] = (int_sums ? 1.0f : d) * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
+#elif CS_Q_AVX2
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 v[4], mx = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
