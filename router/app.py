@@ -82,6 +82,7 @@ class AppConfig(BaseModel):
     # its running ones finish for up to this long (Serve's graceful_shutdown_timeout_s, ingress and workers).
     drain_grace_s: float = Field(30.0, ge=0.0)
     max_failovers: int = Field(2, ge=0)  # resends of a request whose worker died (see router/ingress.py)
+    stream_write_timeout_s: float | None = Field(60.0, gt=0)  # a stream whose client reads nothing this long ends
     redis_url: str | None = None  # default: $CHUNKSERVE_REDIS_URL
     lease_ttl_s: float = Field(5.0, gt=0.0, allow_inf_nan=False)
     namespace: str = "chunkserve"  # Redis key namespace of the prefix index and worker stats
@@ -241,7 +242,8 @@ class ServeIngress(Ingress):
         tokenizer, max_len, vocab = _model_info(cfg.worker_engine().model)  # what the workers load
         engine_max = cfg.engine.max_model_len  # the engine's rule: min(engine setting or model's, model's)
         icfg = IngressConfig(model_name=cfg.model_name, max_model_len=min(max_len, engine_max or max_len),
-                             chunk_size=cfg.engine.chunk_size, vocab_size=vocab, max_failovers=cfg.max_failovers)
+                             chunk_size=cfg.engine.chunk_size, vocab_size=vocab, max_failovers=cfg.max_failovers,
+                             stream_write_timeout_s=cfg.stream_write_timeout_s)
         url = cfg.resolved_redis_url()
         tenants = load_tenants(cfg.tenants)
         stats = limiter = None

@@ -244,6 +244,7 @@ class GrpcServiceMixin:
             raise _set_error(grpc_context, APIError(500, "internal error", "server_error")) from None
         if last is None or last.finish_reason in (None, "abort"):
             err = self.unavailable("the engine ended the request before it finished", code="engine_aborted")
+            self.metrics.error(err.status)
             raise _set_error(grpc_context, err)
 
 

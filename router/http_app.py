@@ -47,17 +47,31 @@ Req = TypeVar("Req", CompletionRequest, ChatCompletionRequest)
 
 class AbortOnDisconnectStreamingResponse(StreamingResponse):
     """Streams the body while watching for the client's disconnect; either way the body iterator is
-    closed (shielded from cancellation), so the request behind it is aborted at once."""
+    closed (shielded from cancellation), so the request behind it is aborted at once. A client that stops
+    reading (its socket's buffers full, so one write waits) for ``write_timeout_s`` is treated as gone too:
+    otherwise it would hold its admission slot and KV chunks for as long as it kept the connection open."""
+
+    def __init__(self, *args: Any, write_timeout_s: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.write_timeout_s = write_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = self.write_timeout_s
+
+        async def timed_send(message: Any) -> None:
+            with anyio.fail_after(timeout):
+                await send(message)
+
         try:
             async with anyio.create_task_group() as tg:
 
                 async def _stream() -> None:
                     try:
-                        await self.stream_response(send)
+                        await self.stream_response(send if timeout is None else timed_send)
                     except OSError:  # the client went away while we were sending
                         pass
+                    except TimeoutError:
+                        logger.warning("client read nothing for %.0f s: its stream is aborted", timeout)
                     except Exception:
                         logger.exception("streaming response failed")
                     tg.cancel_scope.cancel()
@@ -255,7 +269,8 @@ async def _start_stream(request: Request, ingress: Ingress, prep: Prepared, even
                 yield ev
 
     return AbortOnDisconnectStreamingResponse(body(), media_type="text/event-stream",
-                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                              write_timeout_s=ingress.config.stream_write_timeout_s)
 
 
 async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[bytes]:
@@ -287,6 +302,7 @@ async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[
     except APIError as e:
         if not sent:
             raise
+        ingress.metrics.error(e.status)  # before the first event the exception handler counts it
         yield sse(e.body())
         yield sse("[DONE]")
         return
@@ -294,6 +310,7 @@ async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[
         if not sent:
             raise
         logger.exception("stream %s failed", rid)
+        ingress.metrics.error(500)
         yield sse(error_body("internal server error", "server_error"))
         yield sse("[DONE]")
         return
@@ -301,6 +318,7 @@ async def _events(ingress: Ingress, prep: Prepared, kind: str) -> AsyncIterator[
         err = ingress.unavailable("the engine ended the request before it finished", code="engine_aborted")
         if not sent:
             raise err
+        ingress.metrics.error(err.status)
         yield sse(err.body())
     elif prep.include_usage:
         usage = usage_of(last)

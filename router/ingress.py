@@ -67,6 +67,7 @@ class IngressConfig:
     max_failovers: int = 2
     failover_backoff_s: float = 0.2
     retry_after_s: int = 2  # the Retry-After of a 503 (no worker, or this ingress draining)
+    stream_write_timeout_s: float | None = 60.0  # a stream whose client reads nothing this long is aborted
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "chunk_size", "default_max_tokens", "max_body_bytes", "retry_after_s"):
@@ -74,6 +75,8 @@ class IngressConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_failovers < 0 or self.failover_backoff_s < 0:
             raise ValueError("max_failovers and failover_backoff_s must be >= 0")
+        if self.stream_write_timeout_s is not None and not self.stream_write_timeout_s > 0:
+            raise ValueError("stream_write_timeout_s must be > 0 or None")
 
 
 @dataclass

@@ -129,3 +129,65 @@ def test_a_stream_the_engine_aborts_reports_an_error_never_finish_reason_stop(se
     finally:
         engine.generate = real
     assert server.ingress.limiter.running("alpha") == 0
+
+
+def test_errors_sent_mid_stream_are_counted_in_request_errors(server):
+    """An error after the first event goes out as an SSE error event (the status line is long sent); it was
+    counted nowhere, so `chunkserve:request_errors` missed every stream that failed part-way."""
+    engine = server.ingress.engine
+    real = engine.generate
+
+    async def aborting(req, *args):  # type: ignore[no-untyped-def]
+        async with aclosing(real(req, *args)) as deltas:
+            async for d in deltas:
+                yield d
+                break
+        yield GenerateDelta(req.request_id, [], "", len(req.prompt_token_ids), 0, 1, "abort")
+
+    before = _errors(server, "503")
+    try:
+        engine.generate = aborting
+        r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 40,
+                                              "ignore_eos": True})
+    finally:
+        engine.generate = real
+    assert r.status_code == 200 and _events(r)[-2]["error"]["code"] == "engine_aborted"
+    assert _errors(server, "503") == before + 1
+
+
+def test_a_stream_whose_client_stops_reading_is_aborted_after_the_write_timeout() -> None:
+    """A client that keeps its connection open but reads nothing blocks the stream's next write for good; its
+    request held its admission slot and KV chunks until it disconnected. The write now gives up after
+    ``write_timeout_s`` and the body (hence the engine stream) is closed."""
+    import anyio
+
+    from chunkserve.router.http_app import AbortOnDisconnectStreamingResponse
+
+    closed, sent = anyio.Event(), []
+
+    async def body():  # type: ignore[no-untyped-def]
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n".encode()
+        finally:
+            closed.set()
+
+    async def send(message: dict) -> None:
+        sent.append(message["type"])
+        if len(sent) > 2:  # the socket's buffers are full: this write never completes
+            await anyio.sleep_forever()
+
+    async def receive() -> dict:  # the client never disconnects
+        await anyio.sleep_forever()
+        return {}
+
+    async def main() -> float:
+        resp = AbortOnDisconnectStreamingResponse(body(), media_type="text/event-stream", write_timeout_s=0.3)
+        t = time.monotonic()
+        with anyio.fail_after(10):
+            await resp({"type": "http"}, receive, send)
+        return time.monotonic() - t
+
+    took = anyio.run(main)
+    assert closed.is_set() and 0.3 <= took < 5, took
+    assert sent == ["http.response.start", "http.response.body", "http.response.body"]

@@ -219,6 +219,8 @@ def test_a_grpc_stream_the_engine_aborts_ends_unavailable_without_a_finished_mes
         yield GenerateDelta(req.request_id, [], "", len(req.prompt_token_ids), 0, 1, "abort")
 
     engine.generate = generate
+    errors = server.ingress.metrics.request_errors.labels(model_name=server.ingress.config.model_name, code="503")
+    before = errors._value.get()
     got: list[pb.GenerateStreamResponse] = []
     try:
         with pytest.raises(grpc.RpcError) as ei:
@@ -229,3 +231,4 @@ def test_a_grpc_stream_the_engine_aborts_ends_unavailable_without_a_finished_mes
         engine.generate = real
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
     assert got and all(m.finish_reason == "" for m in got)
+    assert errors._value.get() == before + 1  # counted in request_errors, as every other failed call
