@@ -76,9 +76,45 @@ void group_rows(const Args& g, int64_t grp, int64_t m, float* out) {
   }
 }
 
+#if CS_Q_AVX2
+// 8 consecutive outputs v of one row -> y: the scalar loop of store_tile below, 8 lanes at a time (the same bits).
+inline __m256i bf16_bits8(__m256 x) {  // as f_to_bf16, in the low 16 bits of each lane
+  const __m256i u = _mm256_castps_si256(x), hi = _mm256_srli_epi32(u, 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                                       _mm256_and_si256(hi, _mm256_set1_epi32(1))), 16);
+  return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+}
+__attribute__((always_inline)) inline void store8(const float* v, const void* bias, int ydtype, bool accumulate, void* y) {
+  __m256 x = _mm256_loadu_ps(v);
+  if (ydtype == 0) {
+    if (bias != nullptr) x = _mm256_add_ps(x, _mm256_loadu_ps(static_cast<const float*>(bias)));
+    float* yf = static_cast<float*>(y);
+    _mm256_storeu_ps(yf, accumulate ? _mm256_add_ps(_mm256_loadu_ps(yf), x) : x);
+    return;
+  }
+  if (bias != nullptr) x = _mm256_add_ps(x, load8(bias, 1, 0));
+  if (accumulate)  // ATen: y + round(v)
+    x = _mm256_add_ps(load8(y, 1, 0), _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(x), 16)));
+  const __m256i b = bf16_bits8(x);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);  // lanes 0-7 in the low half
+  _mm_storeu_si128(static_cast<__m128i*>(y), _mm256_castsi256_si128(packed));
+}
+#endif
+
 // Add bias, round and write (or accumulate) the tile's rows [m, m + mt) x outputs [n0, n0 + width) from out.
 void store_tile(const Args& g, int64_t n0, int64_t width, int64_t m, int64_t mt, const float* out, int64_t ldo) {
   const int64_t rows = g.N - n0 < width ? g.N - n0 : width;
+#if CS_Q_AVX2
+  if (rows == 8) {  // the narrow tiles' groups
+    const int64_t ys = g.ydtype == 0 ? 4 : 2;
+    for (int64_t i = 0; i < mt; ++i)
+      store8(out + i * ldo, g.bias == nullptr ? nullptr : static_cast<const char*>(g.bias) + n0 * ys, g.ydtype,
+             g.accumulate, static_cast<char*>(g.y) + ((m + i) * g.ldy + n0) * ys);
+    return;
+  }
+#endif
 #if CS_Q_WIDE
   if (rows == 16) {  // the wide tiles' rows (qwide.h): the same arithmetic in vectors
     const int64_t ys = g.ydtype == 0 ? 4 : 2;
@@ -149,6 +185,15 @@ void group_range(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) 
       } else {
         group_rows<1>(g, grp, m, out);
       }
+#if CS_Q_AVX2
+      if (mt == 1 && g.N - grp * kGroup >= kGroup) {  // a decode row: store_tile's store8, without the call
+        const int64_t ys = g.ydtype == 0 ? 4 : 2, n0 = grp * kGroup;
+        store8(out, g.bias == nullptr ? nullptr : static_cast<const char*>(g.bias) + n0 * ys, g.ydtype, g.accumulate,
+               static_cast<char*>(g.y) + (m * g.ldy + n0) * ys);
+        m += mt;
+        continue;
+      }
+#endif
       store_tile(g, grp * kGroup, kGroup, m, mt, out, kGroup);
       m += mt;
     }
