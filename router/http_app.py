@@ -68,10 +68,10 @@ class AbortOnDisconnectStreamingResponse(StreamingResponse):
                 async def _stream() -> None:
                     try:
                         await self.stream_response(send if timeout is None else timed_send)
+                    except TimeoutError:  # before OSError, its base class
+                        logger.warning("client read nothing for %.0f s: its stream is aborted", timeout)
                     except OSError:  # the client went away while we were sending
                         pass
-                    except TimeoutError:
-                        logger.warning("client read nothing for %.0f s: its stream is aborted", timeout)
                     except Exception:
                         logger.exception("streaming response failed")
                     tg.cancel_scope.cancel()

@@ -185,6 +185,7 @@ class QKernel:
         run.restype = cint
         self.run = run
         self.simd = bool(lib.cs_q_simd())
+        self.avx512 = bool(lib.cs_q_avx512())  # the activation prologue 16 lanes wide (csrc/qact.h)
         self.native_bf16 = bool(lib.cs_q_bf16())  # bf16 weights multiplied by vdpbf16ps (AVX512-BF16)
 
 

@@ -155,7 +155,7 @@ def test_errors_sent_mid_stream_are_counted_in_request_errors(server):
     assert _errors(server, "503") == before + 1
 
 
-def test_a_stream_whose_client_stops_reading_is_aborted_after_the_write_timeout() -> None:
+def test_a_stream_whose_client_stops_reading_is_aborted_after_the_write_timeout(caplog) -> None:
     """A client that keeps its connection open but reads nothing blocks the stream's next write for good; its
     request held its admission slot and KV chunks until it disconnected. The write now gives up after
     ``write_timeout_s`` and the body (hence the engine stream) is closed."""
@@ -188,6 +188,8 @@ def test_a_stream_whose_client_stops_reading_is_aborted_after_the_write_timeout(
             await resp({"type": "http"}, receive, send)
         return time.monotonic() - t
 
-    took = anyio.run(main)
+    with caplog.at_level("WARNING", logger="chunkserve.router.http_app"):
+        took = anyio.run(main)
     assert closed.is_set() and 0.3 <= took < 5, took
+    assert any("read nothing" in r.getMessage() for r in caplog.records), caplog.records
     assert sent == ["http.response.start", "http.response.body", "http.response.body"]

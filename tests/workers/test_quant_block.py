@@ -126,7 +126,7 @@ def test_block_linear_outputs_are_bitwise_the_same_whatever_the_isa_it_was_built
     other = QKernel(lib)
     g = torch.Generator().manual_seed(9)
     for cls in (Q4Weight, Q8Weight):
-        qw = cls.quantize(_weight(40, 96, 5))  # 5 row groups: the last one padded
+        qw = cls.quantize(_weight(40, 96, 5))  # 5 row groups
         b = torch.randn(40, generator=g)
         for rows in (1, 3, 4, 9, 16, 70):  # from 4 (8) rows the wide tiles with AVX512-VNNI
             x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
@@ -149,6 +149,8 @@ def test_norm_and_swiglu_prologues_are_bitwise_the_same_on_an_avx2_build(tmp_pat
     kern, cxx = load_kernel(), env.cxx_compiler()
     if kern is None or cxx is None:
         pytest.skip("no C++ compiler: the fallback is F.linear")
+    if not kern.avx512:
+        pytest.skip("this CPU's build has no AVX-512 prologue to compare")
     lib = tmp_path / "qmatmul_avx2.so"
     subprocess.run([cxx, *FLAGS, "-mno-avx512f", str(SOURCE), "-o", str(lib)], check=True, capture_output=True,
                    timeout=300)

@@ -218,6 +218,7 @@ struct CsQWeight {
 
 int cs_q_abi_version() { return 8; }
 int cs_q_simd() { return CS_Q_AVX2; }
+int cs_q_avx512() { return CS_Q_AVX512; }  // the prologue and activation quantiser 16 lanes wide (qact.h)
 int cs_q_vnni() { return CS_Q_VNNI; }  // block sums by vpdpbusd
 int cs_q_bf16() { return CS_B16_NATIVE; }  // bf16 pairs by vdpbf16ps
 int64_t cs_q_block_bytes(int wtype) { return wtype == 0 ? kQ4Bytes : wtype == 1 ? kQ8Bytes : kB16Bytes; }
