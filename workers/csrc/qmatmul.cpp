@@ -107,22 +107,20 @@ __attribute__((always_inline)) inline void store8(const float* v, const void* bi
 void store_tile(const Args& g, int64_t n0, int64_t width, int64_t m, int64_t mt, const float* out, int64_t ldo) {
   const int64_t rows = g.N - n0 < width ? g.N - n0 : width;
 #if CS_Q_AVX2
-  if (rows == 8) {  // the narrow tiles' groups
-    const int64_t ys = g.ydtype == 0 ? 4 : 2;
-    for (int64_t i = 0; i < mt; ++i)
-      store8(out + i * ldo, g.bias == nullptr ? nullptr : static_cast<const char*>(g.bias) + n0 * ys, g.ydtype,
-             g.accumulate, static_cast<char*>(g.y) + ((m + i) * g.ldy + n0) * ys);
+  // 8 (narrow tiles) or 16 (wide tiles, qwide.h) outputs a row: the arithmetic below in vectors, the same bits
+  const int64_t ys = g.ydtype == 0 ? 4 : 2;
+  const char* bias = g.bias == nullptr ? nullptr : static_cast<const char*>(g.bias) + n0 * ys;
+  char* y = static_cast<char*>(g.y) + (m * g.ldy + n0) * ys;
+  if (rows == 8) {
+    for (int64_t i = 0; i < mt; ++i) store8(out + i * ldo, bias, g.ydtype, g.accumulate, y + i * g.ldy * ys);
+    return;
+  }
+#if CS_Q_WIDE
+  if (rows == 16) {
+    for (int64_t i = 0; i < mt; ++i) store16(out + i * ldo, bias, g.ydtype, g.accumulate, y + i * g.ldy * ys);
     return;
   }
 #endif
-#if CS_Q_WIDE
-  if (rows == 16) {  // the wide tiles' rows (qwide.h): the same arithmetic in vectors
-    const int64_t ys = g.ydtype == 0 ? 4 : 2;
-    for (int64_t i = 0; i < mt; ++i)
-      store16(out + i * ldo, g.bias == nullptr ? nullptr : static_cast<const char*>(g.bias) + n0 * ys, g.ydtype,
-              g.accumulate, static_cast<char*>(g.y) + ((m + i) * g.ldy + n0) * ys);
-    return;
-  }
 #endif
   for (int64_t i = 0; i < mt; ++i) {
     for (int64_t r = 0; r < rows; ++r) {
