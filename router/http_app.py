@@ -48,8 +48,9 @@ Req = TypeVar("Req", CompletionRequest, ChatCompletionRequest)
 class AbortOnDisconnectStreamingResponse(StreamingResponse):
     """Streams the body while watching for the client's disconnect; either way the body iterator is
     closed (shielded from cancellation), so the request behind it is aborted at once. A client that stops
-    reading (its socket's buffers full, so one write waits) for ``write_timeout_s`` is treated as gone too:
-    otherwise it would hold its admission slot and KV chunks for as long as it kept the connection open."""
+    reading (its socket's buffers full, so one write waits) for ``write_timeout_s`` (found within a quarter of it
+    more) is treated as gone too: otherwise it would hold its admission slot and KV chunks for as long as it kept
+    the connection open."""
 
     def __init__(self, *args: Any, write_timeout_s: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -57,10 +58,14 @@ class AbortOnDisconnectStreamingResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         timeout = self.write_timeout_s
+        pending_since: list[float | None] = [None]  # when the write in progress began (None: no write waits)
 
-        async def timed_send(message: Any) -> None:
-            with anyio.fail_after(timeout):
+        async def timed_send(message: Any) -> None:  # a stamp per write: no timer armed on the hot path
+            pending_since[0] = time.monotonic()
+            try:
                 await send(message)
+            finally:
+                pending_since[0] = None
 
         try:
             async with anyio.create_task_group() as tg:
@@ -68,15 +73,24 @@ class AbortOnDisconnectStreamingResponse(StreamingResponse):
                 async def _stream() -> None:
                     try:
                         await self.stream_response(send if timeout is None else timed_send)
-                    except TimeoutError:  # before OSError, its base class
-                        logger.warning("client read nothing for %.0f s: its stream is aborted", timeout)
                     except OSError:  # the client went away while we were sending
                         pass
                     except Exception:
                         logger.exception("streaming response failed")
                     tg.cancel_scope.cancel()
 
+                async def _watch_writes(limit: float) -> None:  # one wake-up per limit / 4 for the whole stream
+                    while True:
+                        await anyio.sleep(limit / 4)
+                        began = pending_since[0]
+                        if began is not None and time.monotonic() - began >= limit:
+                            logger.warning("client read nothing for %.0f s: its stream is aborted", limit)
+                            tg.cancel_scope.cancel()
+                            return
+
                 tg.start_soon(_stream)
+                if timeout is not None:
+                    tg.start_soon(_watch_writes, timeout)
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
         finally:
