@@ -91,6 +91,20 @@ def _events(r: httpx2.Response) -> list:
     return [ln[6:] if ln[6:] == "[DONE]" else json.loads(ln[6:]) for ln in r.text.split("\n") if ln.startswith("data: ")]
 
 
+def _aborting(real, after: int):  # type: ignore[no-untyped-def]
+    """An engine `generate` that passes on ``after`` deltas of ``real``, then the engine's "abort" delta."""
+    async def generate(req, *args):  # type: ignore[no-untyped-def]
+        n = 0
+        async with aclosing(real(req, *args)) as deltas:
+            async for d in deltas:
+                if n == after:
+                    break
+                n += 1
+                yield d
+        yield GenerateDelta(req.request_id, [], "", len(req.prompt_token_ids), 0, n, "abort")
+    return generate
+
+
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/completions", {"prompt": "hi"}),
@@ -101,29 +115,16 @@ def test_a_stream_the_engine_aborts_reports_an_error_never_finish_reason_stop(se
     alone; before any token a 503, as a non-streaming request gets."""
     engine = server.ingress.engine
     real = engine.generate
-
-    def aborting(after: int):  # type: ignore[no-untyped-def]
-        async def generate(req, *args):  # type: ignore[no-untyped-def]
-            n = 0
-            async with aclosing(real(req, *args)) as deltas:
-                async for d in deltas:
-                    if n == after:
-                        break
-                    n += 1
-                    yield d
-            yield GenerateDelta(req.request_id, [], "", len(req.prompt_token_ids), 0, n, "abort")
-        return generate
-
     req = {"model": MODEL, **body, "stream": True, "max_tokens": 40, "ignore_eos": True}
     try:
-        engine.generate = aborting(1)
+        engine.generate = _aborting(real, 1)
         r = _post(server, path, req)
         assert r.status_code == 200
         events = _events(r)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_aborted"
         reasons = [c["finish_reason"] for e in events[:-2] for c in e["choices"]]
         assert reasons and all(x is None for x in reasons), events
-        engine.generate = aborting(0)
+        engine.generate = _aborting(real, 0)
         r = _post(server, path, req)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_aborted", r.text
     finally:
@@ -136,17 +137,9 @@ def test_errors_sent_mid_stream_are_counted_in_request_errors(server):
     counted nowhere, so `chunkserve:request_errors` missed every stream that failed part-way."""
     engine = server.ingress.engine
     real = engine.generate
-
-    async def aborting(req, *args):  # type: ignore[no-untyped-def]
-        async with aclosing(real(req, *args)) as deltas:
-            async for d in deltas:
-                yield d
-                break
-        yield GenerateDelta(req.request_id, [], "", len(req.prompt_token_ids), 0, 1, "abort")
-
     before = _errors(server, "503")
     try:
-        engine.generate = aborting
+        engine.generate = _aborting(real, 1)
         r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 40,
                                               "ignore_eos": True})
     finally:
