@@ -77,7 +77,7 @@ void group_rows(const Args& g, int64_t grp, int64_t m, float* out) {
 }
 
 #if CS_Q_AVX2
-// 8 consecutive outputs v of one row -> y: the scalar loop of store_tile below, 8 lanes at a time (the same bits).
+// 8 consecutive outputs v of one row -> y: store_scalar's arithmetic below, 8 lanes at a time (the same bits).
 inline __m256i bf16_bits8(__m256 x) {  // as f_to_bf16, in the low 16 bits of each lane
   const __m256i u = _mm256_castps_si256(x), hi = _mm256_srli_epi32(u, 16);
   const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
@@ -103,11 +103,31 @@ __attribute__((always_inline)) inline void store8(const float* v, const void* bi
 }
 #endif
 
+// The rows store_tile cannot store as vectors: its arithmetic one output at a time (out of line: rare).
+__attribute__((noinline)) void store_scalar(const Args& g, int64_t n0, int64_t rows, int64_t m, int64_t mt,
+                                            const float* out, int64_t ldo) {
+  for (int64_t i = 0; i < mt; ++i) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float v = out[i * ldo + r];
+      if (g.bias != nullptr) v += load_x(g.bias, g.ydtype, n0 + r);
+      if (g.ydtype == 0) {
+        float* y = static_cast<float*>(g.y) + (m + i) * g.ldy + n0 + r;
+        *y = g.accumulate ? *y + v : v;
+      } else {
+        uint16_t* y = static_cast<uint16_t*>(g.y) + (m + i) * g.ldy + n0 + r;
+        *y = f_to_bf16(g.accumulate ? bf16_to_f(*y) + round_to(1, v) : v);  // ATen: y + round(v)
+      }
+    }
+  }
+}
+
 // Add bias, round and write (or accumulate) the tile's rows [m, m + mt) x outputs [n0, n0 + width) from out.
-void store_tile(const Args& g, int64_t n0, int64_t width, int64_t m, int64_t mt, const float* out, int64_t ldo) {
+// Inlined into the tile loops: a decode row stores its 8 outputs without a call (one per 8 outputs otherwise).
+__attribute__((always_inline)) inline void store_tile(const Args& g, int64_t n0, int64_t width, int64_t m, int64_t mt,
+                                                      const float* out, int64_t ldo) {
   const int64_t rows = g.N - n0 < width ? g.N - n0 : width;
 #if CS_Q_AVX2
-  // 8 (narrow tiles) or 16 (wide tiles, qwide.h) outputs a row: the arithmetic below in vectors, the same bits
+  // 8 (narrow tiles) or 16 (wide tiles, qwide.h) outputs a row: store_scalar's arithmetic in vectors, the same bits
   const int64_t ys = g.ydtype == 0 ? 4 : 2;
   const char* bias = g.bias == nullptr ? nullptr : static_cast<const char*>(g.bias) + n0 * ys;
   char* y = static_cast<char*>(g.y) + (m * g.ldy + n0) * ys;
@@ -122,19 +142,7 @@ void store_tile(const Args& g, int64_t n0, int64_t width, int64_t m, int64_t mt,
   }
 #endif
 #endif
-  for (int64_t i = 0; i < mt; ++i) {
-    for (int64_t r = 0; r < rows; ++r) {
-      float v = out[i * ldo + r];
-      if (g.bias != nullptr) v += load_x(g.bias, g.ydtype, n0 + r);
-      if (g.ydtype == 0) {
-        float* y = static_cast<float*>(g.y) + (m + i) * g.ldy + n0 + r;
-        *y = g.accumulate ? *y + v : v;
-      } else {
-        uint16_t* y = static_cast<uint16_t*>(g.y) + (m + i) * g.ldy + n0 + r;
-        *y = f_to_bf16(g.accumulate ? bf16_to_f(*y) + round_to(1, v) : v);  // ATen: y + round(v)
-      }
-    }
-  }
+  store_scalar(g, n0, rows, m, mt, out, ldo);
 }
 
 #if CS_B16_NATIVE
@@ -183,15 +191,6 @@ void group_range(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) 
       } else {
         group_rows<1>(g, grp, m, out);
       }
-#if CS_Q_AVX2
-      if (mt == 1 && g.N - grp * kGroup >= kGroup) {  // a decode row: store_tile's store8, without the call
-        const int64_t ys = g.ydtype == 0 ? 4 : 2, n0 = grp * kGroup;
-        store8(out, g.bias == nullptr ? nullptr : static_cast<const char*>(g.bias) + n0 * ys, g.ydtype, g.accumulate,
-               static_cast<char*>(g.y) + (m * g.ldy + n0) * ys);
-        m += mt;
-        continue;
-      }
-#endif
       store_tile(g, grp * kGroup, kGroup, m, mt, out, kGroup);
       m += mt;
     }
