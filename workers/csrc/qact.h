@@ -168,46 +168,64 @@ inline __m256 hi8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm
 #define CS_Q_AVX512 0
 #endif
 
+#if CS_Q_AVX2
+// One vector width's helpers for `prologue_row`: 8 lanes (AVX2) or 16 (AVX-512), the same arithmetic per lane.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t kN = 8;
+  static V load(const void* x, int dtype, int64_t i) { return load8(x, dtype, i); }
+  static V loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V splat(float a) { return _mm256_set1_ps(a); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V round(int dtype, V v) { return round8(dtype, v); }
+  static V silu(V v) { return vsilu(v); }
+  static __m256 sumsq(__m256 ss, V v) { return _mm256_fmadd_ps(v, v, ss); }
+};
+#if CS_Q_AVX512
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t kN = 16;
+  static V load(const void* x, int dtype, int64_t i) { return load16(x, dtype, i); }
+  static V loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V splat(float a) { return _mm512_set1_ps(a); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V round(int dtype, V v) { return round16(dtype, v); }
+  static V silu(V v) { return vsilu16(v); }
+  static __m256 sumsq(__m256 ss, V v) {  // in 8 lanes, in the 8-lane loop's order: the same sum
+    const __m256 lo = _mm512_castps512_ps256(v);
+    return _mm256_fmadd_ps(hi8(v), hi8(v), _mm256_fmadd_ps(lo, lo, ss));
+  }
+};
+#endif
+
+// load_row's prologue in vectors of L (K % L::kN == 0).
+template <class L>
+inline void prologue_row(const void* x, int dtype, int64_t K, bool glu, const void* norm_w, float eps, float* f) {
+  __m256 ss = _mm256_setzero_ps();
+  for (int64_t j = 0; j < K; j += L::kN) {
+    typename L::V v = L::load(x, dtype, j);
+    if (glu) v = L::round(dtype, L::mul(L::round(dtype, L::silu(v)), L::load(x, dtype, K + j)));
+    ss = L::sumsq(ss, v);
+    L::store(f + j, v);
+  }
+  if (norm_w == nullptr) return;
+  const typename L::V inv = L::splat(1.0f / std::sqrt(hsum8(ss) / static_cast<float>(K) + eps));
+  for (int64_t j = 0; j < K; j += L::kN)
+    L::store(f + j, L::round(dtype, L::mul(L::round(dtype, L::mul(L::loadf(f + j), inv)), L::load(norm_w, dtype, j))));
+}
+#endif
+
 // The row's K inputs in fp32, after the optional prologue: SwiGLU (glu: the row holds 2K values, gate then up;
 // f = silu(gate) * up) and RMSNorm (norm_w: f = f / sqrt(mean(f^2) + eps) * norm_w, statistics in fp32).
 inline void load_row(const void* x, int dtype, int64_t K, bool glu, const void* norm_w, float eps, float* f) {
   int64_t j = 0;
 #if CS_Q_AVX512
-  if (K % 16 == 0) {  // always: K % 32 == 0. Squares summed in 8 lanes in the order of the 8-lane loop below
-    __m256 ss = _mm256_setzero_ps();
-    for (; j < K; j += 16) {
-      __m512 v = load16(x, dtype, j);
-      if (glu) v = round16(dtype, _mm512_mul_ps(round16(dtype, vsilu16(v)), load16(x, dtype, K + j)));
-      const __m256 lo = _mm512_castps512_ps256(v);
-      ss = _mm256_fmadd_ps(hi8(v), hi8(v), _mm256_fmadd_ps(lo, lo, ss));
-      _mm512_storeu_ps(f + j, v);
-    }
-    if (norm_w != nullptr) {
-      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(hsum8(ss) / static_cast<float>(K) + eps));
-      for (j = 0; j < K; j += 16)
-        _mm512_storeu_ps(f + j, round16(dtype, _mm512_mul_ps(round16(dtype, _mm512_mul_ps(_mm512_loadu_ps(f + j), inv)),
-                                                             load16(norm_w, dtype, j))));
-    }
-    return;
-  }
+  if (K % 16 == 0) return prologue_row<Lanes16>(x, dtype, K, glu, norm_w, eps, f);  // always: K % 32 == 0
 #endif
 #if CS_Q_AVX2
-  if (K % 8 == 0) {  // always: K % 32 == 0
-    __m256 ss = _mm256_setzero_ps();
-    for (; j < K; j += 8) {
-      __m256 v = load8(x, dtype, j);
-      if (glu) v = round8(dtype, _mm256_mul_ps(round8(dtype, vsilu(v)), load8(x, dtype, K + j)));
-      ss = _mm256_fmadd_ps(v, v, ss);
-      _mm256_storeu_ps(f + j, v);
-    }
-    if (norm_w != nullptr) {
-      const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(hsum8(ss) / static_cast<float>(K) + eps));
-      for (j = 0; j < K; j += 8)
-        _mm256_storeu_ps(f + j, round8(dtype, _mm256_mul_ps(round8(dtype, _mm256_mul_ps(_mm256_loadu_ps(f + j), inv)),
-                                                            load8(norm_w, dtype, j))));
-    }
-    return;
-  }
+  if (K % 8 == 0) return prologue_row<Lanes8>(x, dtype, K, glu, norm_w, eps, f);
 #endif
   for (; j < K; ++j) f[j] = load_x(x, dtype, j);
   if (glu) {
