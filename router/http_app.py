@@ -39,7 +39,8 @@ from chunkserve.router.openai_api import (
 from chunkserve.router.tenants import AuthError, one_authorization
 
 if TYPE_CHECKING:
-    from chunkserve.router.ingress import Ingress, Prepared
+    from chunkserve.router.ingress import Ingress
+    from chunkserve.router.ingress_config import Prepared
 
 logger = logging.getLogger(__name__)
 Req = TypeVar("Req", CompletionRequest, ChatCompletionRequest)

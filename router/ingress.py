@@ -19,18 +19,17 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any, cast
 
 from chunkserve import env
 from chunkserve.cluster.drain import DrainFlag
-from chunkserve.cluster.events import DEFAULT_MAX_DEPTH
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.stats import ClusterStatsReader, snapshot_of
 from chunkserve.router.cache_pins import cache_pin_spec, prefix_ids
 from chunkserve.router.engine_client import EngineClient, HandleEngineClient, engine_error_to_api
 from chunkserve.router.failover import ResumedText, rebased, resume_request
 from chunkserve.router.grpc_service import GrpcServiceMixin
+from chunkserve.router.ingress_config import IngressConfig, Prepared
 from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, template_chars
 from chunkserve.router.ratelimit import Admission, AdmissionLease, RateLimited, RateLimiter, RefusalMemo
 from chunkserve.router.server_metrics import ServerMetrics
@@ -49,48 +48,6 @@ logger = logging.getLogger(__name__)
 
 _THREAD_TOKENIZE_CHARS = 4096  # longer texts are tokenised in a worker thread, off the event loop
 REDIS_URL_ENV = env.REDIS_URL  # where a Serve ingress finds the workers' stats by default
-
-
-@dataclass(frozen=True)
-class IngressConfig:
-    """Frontend settings for one served model."""
-
-    model_name: str
-    max_model_len: int  # context length in tokens (prompt + output)
-    chunk_size: int  # the engine's KV chunk size, for the hash chain
-    default_max_tokens: int = 256  # when a request gives none (capped by the space left in the context)
-    max_body_bytes: int = 4 << 20
-    vocab_size: int | None = None  # token-id bound for raw token prompts (default: len(tokenizer))
-    max_hashed_chunks: int | None = DEFAULT_MAX_DEPTH  # leading chunks hashed (what the router looks up)
-    # Failover: a request whose worker dies is sent again (prompt + the tokens already sent) up to this
-    # many times, after a pause of failover_backoff_s * attempt; then 503 with Retry-After.
-    max_failovers: int = 2
-    failover_backoff_s: float = 0.2
-    retry_after_s: int = 2  # the Retry-After of a 503 (no worker, or this ingress draining)
-    stream_write_timeout_s: float | None = 60.0  # a stream whose client reads nothing this long is aborted
-
-    def __post_init__(self) -> None:
-        for name in ("max_model_len", "chunk_size", "default_max_tokens", "max_body_bytes", "retry_after_s"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.max_failovers < 0 or self.failover_backoff_s < 0:
-            raise ValueError("max_failovers and failover_backoff_s must be >= 0")
-        if self.stream_write_timeout_s is not None and not self.stream_write_timeout_s > 0:
-            raise ValueError("stream_write_timeout_s must be > 0 or None")
-
-
-@dataclass
-class Prepared:
-    """A request that passed every check and holds a rate-limit lease."""
-
-    tenant: Tenant
-    lease: AdmissionLease
-    request: GenerateRequest
-    chunk_hashes: list[int]
-    model: str
-    created: int
-    t0: float
-    include_usage: bool = False
 
 
 def _rate_limited(e: RateLimited) -> APIError:
