@@ -372,8 +372,11 @@ class PrefixKVCache(PrefixTree):
         cached = self._num_cached
         used = p.num_chunks - p.num_free - cached
         logical = sum(s.length for s in self._seqs.values())
-        physical = sum(len(self._nodes[c].tokens) for c in self._nodes if self._nodes[c].ref > 0)
-        shared_tokens = sum(len(n.tokens) for n in self._nodes.values() if n.ref > 1)
+        # the nodes with ref > 0 are exactly those on live paths: walk those, not the whole tree (a server's tree
+        # holds every cached prefix, up to the pool's size, and this runs whenever a request finishes)
+        live = {id(n): n for s in self._seqs.values() for n in s.path}.values()
+        physical = sum(len(n.tokens) for n in live)
+        shared_tokens = sum(len(n.tokens) for n in live if n.ref > 1)
         return {
             "kv_chunks_total": p.num_chunks,
             "kv_chunks_used": used,

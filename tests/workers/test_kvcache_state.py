@@ -106,6 +106,9 @@ class CacheMachine(RuleBasedStateMachine):
     def chunk_accounting_is_consistent(self) -> None:
         st_ = self.cache.stats()
         assert st_["kv_chunks_used"] + st_["kv_chunks_free"] + st_["kv_chunks_cached"] == N
+        nodes = self.cache._nodes.values()  # stats walks the live paths only: the same sums as over the whole tree
+        assert st_["physical_tokens"] == sum(len(n.tokens) for n in nodes if n.ref > 0)
+        assert st_["shared_tokens"] == sum(len(n.tokens) for n in nodes if n.ref > 1)
         pool = self.cache.pool
         for ch in self.cache._nodes:
             assert not pool.is_free(ch), f"chunk {ch} is both free and in the tree"
