@@ -15,6 +15,7 @@ client's fault is INTERNAL ("internal error"), UNAVAILABLE (no worker) with ``re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -31,6 +32,7 @@ from chunkserve.router.openai_api import (
     CompletionRequest,
     validation_to_api_error,
 )
+from chunkserve.router.write_watch import WriteWatch
 from chunkserve.v1 import generate_pb2 as pb
 from chunkserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -46,6 +48,7 @@ _GRPC_CODES: dict[int, grpc.StatusCode] = {
     401: grpc.StatusCode.UNAUTHENTICATED,
     403: grpc.StatusCode.PERMISSION_DENIED,
     404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,  # the client read nothing for the stream write timeout
     413: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
@@ -224,17 +227,32 @@ class GrpcServiceMixin:
             raise _set_error(grpc_context, APIError(500, "internal error", "server_error")) from None
         rid = request.request_id or prep.request.request_id
         last = None
+        limit = self.config.stream_write_timeout_s
+        watch = WriteWatch(limit) if limit is not None else None
+        s = self.stream(prep)
+        # a client that reads nothing: the guard closes the engine stream under this (suspended) generator
+        guard = asyncio.get_running_loop().create_task(_close_when_stalled(watch, s)) if watch else None
         try:
-            async with aclosing(self.stream(prep)) as s:
-                async for d in s:
-                    last = d
-                    if d.finish_reason == "abort":  # ended, not finished: UNAVAILABLE below, no finished message
+            async for d in s:
+                last = d
+                if d.finish_reason == "abort":  # ended, not finished: UNAVAILABLE below, no finished message
+                    break
+                done = d.finish_reason is not None
+                if d.token_ids or done:
+                    msg = pb.GenerateStreamResponse(
+                        request_id=rid, text=d.text, token_ids=d.token_ids,
+                        finish_reason=d.finish_reason or "", usage=_usage(d) if done else None)
+                    if watch is None:
+                        yield msg
+                        continue
+                    watch.begin()
+                    yield msg
+                    watch.end()
+                    if watch.fired:  # the client read again just as the guard gave up on it
                         break
-                    done = d.finish_reason is not None
-                    if d.token_ids or done:
-                        yield pb.GenerateStreamResponse(
-                            request_id=rid, text=d.text, token_ids=d.token_ids,
-                            finish_reason=d.finish_reason or "", usage=_usage(d) if done else None)
+            if watch is not None and watch.fired:
+                raise APIError(408, f"the client read nothing for {watch.limit_s:.0f} s: its stream was ended",
+                               code="stream_write_timeout")
         except APIError as e:
             self.metrics.error(e.status)
             raise _set_error(grpc_context, e) from None
@@ -242,10 +260,29 @@ class GrpcServiceMixin:
             logger.exception("gRPC GenerateStream failed")
             self.metrics.error(500)
             raise _set_error(grpc_context, APIError(500, "internal error", "server_error")) from None
+        finally:  # the engine stream is closed once: by the guard once it fired, else here
+            if guard is not None and watch is not None and watch.fired:
+                await guard
+            else:
+                if guard is not None:
+                    guard.cancel()
+                await s.aclose()
         if last is None or last.finish_reason in (None, "abort"):
             err = self.unavailable("the engine ended the request before it finished", code="engine_aborted")
             self.metrics.error(err.status)
             raise _set_error(grpc_context, err)
+
+
+async def _close_when_stalled(watch: WriteWatch, stream: AsyncGenerator[Any, None]) -> None:
+    """Once a message has waited ``watch.limit_s`` for the client, closes the engine stream (suspended at its
+    yield while the service's generator waits on the client): the request is aborted and its KV chunks, admission
+    slot and lease are freed, even if the client never reads again."""
+    await watch.stalled()
+    logger.warning("gRPC client read nothing for %.0f s: its stream is aborted", watch.limit_s)
+    try:
+        await stream.aclose()
+    except Exception:  # the stream's own cleanup failed: logged, the service's generator still ends cleanly
+        logger.exception("closing a stalled gRPC stream failed")
 
 
 class _AioServicer(pb_grpc.ChunkServeServicer):

@@ -37,6 +37,7 @@ from chunkserve.router.openai_api import (
     validation_to_api_error,
 )
 from chunkserve.router.tenants import AuthError, one_authorization
+from chunkserve.router.write_watch import WriteWatch
 
 if TYPE_CHECKING:
     from chunkserve.router.ingress import Ingress
@@ -58,40 +59,40 @@ class AbortOnDisconnectStreamingResponse(StreamingResponse):
         self.write_timeout_s = write_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        timeout = self.write_timeout_s
-        pending_since: list[float | None] = [None]  # when the write in progress began (None: no write waits)
+        watch = WriteWatch(self.write_timeout_s) if self.write_timeout_s is not None else None
+        sender: Send = send
+        if watch is not None:
+            stamps = watch
 
-        async def timed_send(message: Any) -> None:  # a stamp per write: no timer armed on the hot path
-            pending_since[0] = time.monotonic()
-            try:
-                await send(message)
-            finally:
-                pending_since[0] = None
+            async def timed_send(message: Any) -> None:  # a stamp per write: no timer armed on the hot path
+                stamps.begin()
+                try:
+                    await send(message)
+                finally:
+                    stamps.end()
+
+            sender = timed_send
 
         try:
             async with anyio.create_task_group() as tg:
 
                 async def _stream() -> None:
                     try:
-                        await self.stream_response(send if timeout is None else timed_send)
+                        await self.stream_response(sender)
                     except OSError:  # the client went away while we were sending
                         pass
                     except Exception:
                         logger.exception("streaming response failed")
                     tg.cancel_scope.cancel()
 
-                async def _watch_writes(limit: float) -> None:  # one wake-up per limit / 4 for the whole stream
-                    while True:
-                        await anyio.sleep(limit / 4)
-                        began = pending_since[0]
-                        if began is not None and time.monotonic() - began >= limit:
-                            logger.warning("client read nothing for %.0f s: its stream is aborted", limit)
-                            tg.cancel_scope.cancel()
-                            return
+                async def _watch_writes(w: WriteWatch) -> None:
+                    await w.stalled()
+                    logger.warning("client read nothing for %.0f s: its stream is aborted", w.limit_s)
+                    tg.cancel_scope.cancel()
 
                 tg.start_soon(_stream)
-                if timeout is not None:
-                    tg.start_soon(_watch_writes, timeout)
+                if watch is not None:
+                    tg.start_soon(_watch_writes, watch)
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
         finally:
