@@ -20,4 +20,11 @@ def test_quick_bench_writes_table_with_consistent_outputs(tmp_path, capsys):
     assert full["runs"] == 1 and full["contiguous_runs"] == 1  # the shared prompt is read as one view
     assert full["paged_bytes"] > 1.9 * full["tpp_bytes"]
     assert data["machine"]["copy_bw"] > 0 and data["machine"]["matmul_flops"] > 0
-    assert "TPP/paged" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "TPP/paged" in out and "TPP/dense" in out
+    for (n_p, n_s), r in rows.items():  # the headline never counts paged over a shared pool as non-sharing
+        dense = min(r["naive_us"], r["sdpa_us"])
+        assert r["speedup_vs_dense"] == dense / r["tpp_us"]
+        unshared = [dense] + ([rows[(n_p, 0)]["paged_us"]] if (n_p, 0) in rows else [])
+        assert r["speedup_vs_best"] == min(unshared) / r["tpp_us"], (n_p, n_s)
+        assert r["best_nonsharing"] != "paged" or n_s == 0
