@@ -244,6 +244,7 @@ class Ingress(GrpcServiceMixin):
                 # mid-stream, the resumed deltas are counted as the original request's; before the first token the
                 # new attempt is the request itself, with its own cached tokens and first-token time
                 resumed = ResumedText(self.tokenizer, req.sampling.stop, "".join(texts), sent) if sent else None
+                called = time.time()
                 try:
                     async with aclosing(self.engine.generate(req, prep.chunk_hashes)) as agen:
                         async for d in agen:
@@ -255,6 +256,9 @@ class Ingress(GrpcServiceMixin):
                                 started, t_first = True, time.monotonic()
                                 n_cached = d.num_cached_tokens
                                 self.metrics.first_token(tenant, t_first - prep.t0, n_prompt, n_cached)
+                                if d.timeline is not None and req.arrival_time is not None:
+                                    self.metrics.first_token_legs(d.timeline.legs(req.arrival_time, called,
+                                                                                  time.time()))
                             sent.extend(d.token_ids)
                             if d.finish_reason is not None:
                                 reason = d.finish_reason

@@ -21,7 +21,7 @@ for the requests it ran: `workers/worker_metrics.RoutingAccuracy`), labelled ``{
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -31,6 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from chunkserve.router.tenant_metrics import tenant_families
 from chunkserve.workers.worker_metrics import CHUNK_BUCKETS, COUNTERS, DESCRIPTIONS, GAUGES
 
+_LEG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -171,6 +172,10 @@ class ServerMetrics:
         self.e2e_request_latency = Histogram(
             "chunkserve:e2e_request_latency_seconds", "End-to-end request latency.", tl,
             buckets=_E2E_BUCKETS, registry=r)
+        self.ttft_legs = Histogram(
+            "chunkserve:ttft_leg_seconds", "Where time to first token goes, by leg (`workers.protocol.TTFT_LEGS`): "
+            "ingress, route, step_wait, admission, prefill, return.", ["model_name", "leg"],
+            buckets=_LEG_BUCKETS, registry=r)
         self._cluster = _ClusterCollector(model_name)
         r.register(self._cluster)
         # per tenant: cached / prompt / generated tokens seen by this ingress (for the dashboard)
@@ -202,6 +207,11 @@ class ServerMetrics:
         self.prefix_cache_hits.labels(**lab).inc(cached_tokens)
         self.prompt_tokens.labels(**lab).inc(prompt_tokens)
         self._tally(tenant, cached=cached_tokens, prompt=prompt_tokens)
+
+    def first_token_legs(self, legs: Mapping[str, float]) -> None:
+        """One request's time to first token, split by leg (`FirstTokenTimeline.legs`)."""
+        for leg, seconds in legs.items():
+            self.ttft_legs.labels(model_name=self.model_name, leg=leg).observe(seconds)
 
     def request_done(self, tenant: str, started: bool, e2e_s: float, decode_s: float, output_tokens: int,
                      finish_reason: str) -> None:

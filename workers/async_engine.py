@@ -37,12 +37,14 @@ from chunkserve.workers.protocol import (
     EngineError,
     EngineStats,
     EngineStepError,
+    FirstTokenTimeline,
     GenerateDelta,
     GenerateRequest,
     InvalidRequestError,
     InvalidSamplingError,
 )
 from chunkserve.workers.sampling import SamplingParams
+from chunkserve.workers.sched_types import Request
 from chunkserve.workers.streaming import StreamBatching, coalesce
 from chunkserve.workers.thread_clock import ThreadClock
 from chunkserve.workers.tree_summary import ForestUsage, summarize_forest
@@ -52,6 +54,15 @@ SNAPSHOT_WAIT_S = 2.0  # `cached_hashes` waits this long for the engine thread (
 LEND_MAX_STEP_S = 0.05  # lent threads only after a step shorter than this (and never for the first after idle)
 
 _Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
+
+
+def _timeline(req: Request, to_wall: float) -> FirstTokenTimeline | None:
+    """The request's stamps on its way to token 1, on the wall clock (None for one not added through `generate`)."""
+    if req.handed_wall is None or req.intake_wall is None or req.first_token_time is None:
+        return None
+    admitted = req.admit_time if req.admit_time is not None else req.first_token_time
+    return FirstTokenTimeline(worker_s=req.handed_wall, intake_s=req.intake_wall, admitted_s=admitted + to_wall,
+                              first_token_s=req.first_token_time + to_wall)
 
 
 class AsyncEngine:
@@ -102,7 +113,7 @@ class AsyncEngine:
             if rid in self._sinks:
                 raise InvalidRequestError(f"duplicate request id {rid!r}")
             self._sinks[rid] = (loop, sink)
-        self._post("add", request)
+        self._post("add", (request, time.time()))
         finished = False
         try:
             if batching is not None and batching.enabled:
@@ -229,13 +240,14 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if kind == "add":
-                req: GenerateRequest = payload
+                req: GenerateRequest = payload[0]
                 try:
                     if not isinstance(req.sampling, SamplingParams):
                         raise InvalidSamplingError(f"sampling must be SamplingParams, got {type(req.sampling)}")
-                    core.add_request(req.request_id, list(req.prompt_token_ids), req.sampling, req.cache_salt,
-                                     tenant=req.tenant, weight=req.weight, cache_pin=req.cache_pin,
-                                     arrival_time=req.arrival_time)
+                    added = core.add_request(req.request_id, list(req.prompt_token_ids), req.sampling,
+                                             req.cache_salt, tenant=req.tenant, weight=req.weight,
+                                             cache_pin=req.cache_pin, arrival_time=req.arrival_time)
+                    added.handed_wall, added.intake_wall = payload[1], time.time()
                     self._tenants[req.request_id] = req.tenant
                 except EngineError as e:
                     replies.append((req.request_id, e))
@@ -351,6 +363,7 @@ class AsyncEngine:
             last_step_s = clock.end()  # the step's wall time (lent threads follow short ones only)
             self._publish_events()
             now = time.monotonic()
+            to_wall = time.time() - now  # monotonic stamps -> wall clock, for the first tokens' timelines
             deltas = []
             for out in outs:
                 req = out.req
@@ -363,7 +376,8 @@ class AsyncEngine:
                     num_prompt_tokens=len(req.prompt), num_cached_tokens=req.num_cached or 0,
                     num_output_tokens=n_out, finish_reason=out.finish_reason, logprobs=out.logprobs,
                     first_token_time=req.first_token_time if n_out == 1 else None, extra={"time": now},
-                    num_cache_creation_tokens=req.cache_creation_tokens)))
+                    num_cache_creation_tokens=req.cache_creation_tokens,
+                    timeline=_timeline(req, to_wall) if n_out == 1 else None)))
             self._streaming = len(deltas)
             # before a request's last delta goes out, so that stats read after its response count it (~10 us)
             if now - self._stats_time > 0.1 or any(out.finish_reason is not None for out in outs):

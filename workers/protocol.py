@@ -103,6 +103,30 @@ class GenerateDelta:
     first_token_time: float | None = None  # monotonic seconds, set on the delta carrying token 1
     num_cache_creation_tokens: int = 0  # prompt tokens this request wrote to the cache under a pin
     extra: dict = field(default_factory=dict)
+    timeline: FirstTokenTimeline | None = None  # a served engine's stamps, on the delta carrying token 1
+
+
+@dataclass(frozen=True)
+class FirstTokenTimeline:
+    """Wall-clock stamps (``time.time()``) of one request on its way to its first token, taken by a served engine
+    (`AsyncEngine`); the ingress adds its own and exports the legs (`chunkserve:ttft_leg_seconds`). Stamps of
+    different hosts agree as well as their clocks do (NTP: about a millisecond)."""
+
+    worker_s: float  # the worker handed the request to the engine thread
+    intake_s: float  # the engine thread took it, between two steps
+    admitted_s: float  # the scheduler first admitted it (its tenant's turn, room in the pool)
+    first_token_s: float  # the step that sampled its first token ended
+
+    def legs(self, received_s: float, called_s: float, returned_s: float) -> dict[str, float]:
+        """Seconds per leg, with the frontend's stamps: ``received_s`` (it got the request), ``called_s`` (it called
+        the engine) and ``returned_s`` (the first token reached it). Each leg is at least 0 (clock skew)."""
+        stamps = (received_s, called_s, self.worker_s, self.intake_s, self.admitted_s, self.first_token_s, returned_s)
+        return {leg: max(0.0, b - a) for leg, a, b in zip(TTFT_LEGS, stamps[:-1], stamps[1:], strict=True)}
+
+
+# parse, auth, tokenise, rate limits | router, call into the worker | the engine step in flight | the scheduler's
+# queue (fair share, pool room) | its prefill steps and the first sample | the first item back to the frontend
+TTFT_LEGS = ("ingress", "route", "step_wait", "admission", "prefill", "return")
 
 
 # ---- stats ----------------------------------------------------------------------------------------------

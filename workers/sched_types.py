@@ -48,6 +48,8 @@ class Request:
     cache_creation_tokens: int = 0  # pinned prefix tokens this request computed (not read from the cache)
     overtaken: int = 0  # prompt tokens of its tenant's later arrivals planned before it (fair share's aging bound)
     remaining_at: tuple[int, int] = (-1, 0)  # (scheduler step, prompt tokens left) while waiting: a match memo
+    handed_wall: float | None = None  # served engines: wall clock when the worker handed it over, and when the
+    intake_wall: float | None = None  # engine thread took it (`FirstTokenTimeline`)
     _prompt_np: np.ndarray | None = field(default=None, repr=False)
 
     def prompt_array(self) -> np.ndarray:

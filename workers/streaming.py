@@ -67,8 +67,8 @@ class StreamBatching:
 
 def merge_deltas(deltas: Sequence[GenerateDelta]) -> GenerateDelta:
     """One delta equal to ``deltas`` in order: tokens, text and logprobs concatenated, counters (prompt, cached,
-    cache-written, output tokens), the finish reason and ``extra`` of the last, the first token's time of the
-    first that has one."""
+    cache-written, output tokens), the finish reason and ``extra`` of the last, the first token's time and
+    timeline of the first that has them."""
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
@@ -79,9 +79,10 @@ def merge_deltas(deltas: Sequence[GenerateDelta]) -> GenerateDelta:
     if any(d.logprobs is not None for d in deltas):
         logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
     first_time = next((d.first_token_time for d in deltas if d.first_token_time is not None), None)
+    timeline = next((d.timeline for d in deltas if d.timeline is not None), None)
     # every counter (cached and cache-written tokens included) and the finish reason are the last delta's
     return dataclasses.replace(last, token_ids=tokens, text="".join(d.text for d in deltas), logprobs=logprobs,
-                               first_token_time=first_time)
+                               first_token_time=first_time, timeline=timeline)
 
 
 async def coalesce(queue: asyncio.Queue, batching: StreamBatching, streams: Callable[[], int] | None = None

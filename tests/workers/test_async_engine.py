@@ -17,6 +17,7 @@ from chunkserve.workers.protocol import (
     EngineDeadError,
     EngineError,
     EngineStepError,
+    FirstTokenTimeline,
     GenerateDelta,
     GenerateRequest,
     InvalidRequestError,
@@ -139,6 +140,12 @@ def test_merge_keeps_the_last_deltas_cache_counters() -> None:
     m = merge_deltas([a, b])
     assert (m.num_cached_tokens, m.num_cache_creation_tokens, m.num_output_tokens) == (64, 128, 2)
     assert m.finish_reason == "stop" and m.token_ids == [100, 101]
+
+
+def test_merge_keeps_the_first_tokens_timeline() -> None:
+    a, b = delta(0), delta(1)
+    a.timeline = FirstTokenTimeline(worker_s=1.0, intake_s=1.5, admitted_s=1.5, first_token_s=2.0)
+    assert merge_deltas([a, b]).timeline == a.timeline and merge_deltas([b, delta(2)]).timeline is None
 
 
 def test_stream_batching_rejects_bad_options() -> None:
