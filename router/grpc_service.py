@@ -242,14 +242,13 @@ class GrpcServiceMixin:
                     msg = pb.GenerateStreamResponse(
                         request_id=rid, text=d.text, token_ids=d.token_ids,
                         finish_reason=d.finish_reason or "", usage=_usage(d) if done else None)
-                    if watch is None:
-                        yield msg
-                        continue
-                    watch.begin()
+                    if watch is not None:
+                        watch.begin()
                     yield msg
-                    watch.end()
-                    if watch.fired:  # the client read again just as the guard gave up on it
-                        break
+                    if watch is not None:
+                        watch.end()
+                        if watch.fired:  # the client read again just as the guard gave up on it
+                            break
             if watch is not None and watch.fired:
                 raise APIError(408, f"the client read nothing for {watch.limit_s:.0f} s: its stream was ended",
                                code="stream_write_timeout")

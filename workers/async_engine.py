@@ -56,10 +56,11 @@ LEND_MAX_STEP_S = 0.05  # lent threads only after a step shorter than this (and 
 _Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 
 
-def _timeline(req: Request, to_wall: float) -> FirstTokenTimeline | None:
+def _timeline(req: Request) -> FirstTokenTimeline | None:
     """The request's stamps on its way to token 1, on the wall clock (None for one not added through `generate`)."""
     if req.handed_wall is None or req.intake_wall is None or req.first_token_time is None:
         return None
+    to_wall = time.time() - time.monotonic()  # the scheduler's monotonic stamps -> wall clock
     admitted = req.admit_time if req.admit_time is not None else req.first_token_time
     return FirstTokenTimeline(worker_s=req.handed_wall, intake_s=req.intake_wall, admitted_s=admitted + to_wall,
                               first_token_s=req.first_token_time + to_wall)
@@ -363,7 +364,6 @@ class AsyncEngine:
             last_step_s = clock.end()  # the step's wall time (lent threads follow short ones only)
             self._publish_events()
             now = time.monotonic()
-            to_wall = time.time() - now  # monotonic stamps -> wall clock, for the first tokens' timelines
             deltas = []
             for out in outs:
                 req = out.req
@@ -377,7 +377,7 @@ class AsyncEngine:
                     num_output_tokens=n_out, finish_reason=out.finish_reason, logprobs=out.logprobs,
                     first_token_time=req.first_token_time if n_out == 1 else None, extra={"time": now},
                     num_cache_creation_tokens=req.cache_creation_tokens,
-                    timeline=_timeline(req, to_wall) if n_out == 1 else None)))
+                    timeline=_timeline(req) if n_out == 1 else None)))
             self._streaming = len(deltas)
             # before a request's last delta goes out, so that stats read after its response count it (~10 us)
             if now - self._stats_time > 0.1 or any(out.finish_reason is not None for out in outs):
