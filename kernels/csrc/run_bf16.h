@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace cs_dp {
 
@@ -32,19 +33,21 @@ inline __m512bh bcast(const uint32_t* p) {
   return as_bh(_mm512_set1_epi32(x));
 }
 inline __m512bh loadp(const uint32_t* p) { return as_bh(_mm512_loadu_si512(p)); }
-// 16 fp32 -> 16 bf16 (nearest even) widened to the low halves of 16 32-bit lanes
-inline __m512i lo_half(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
 
 // st[t * MB + x] = scale * q_x . k_t for nt keys; qp [d/2, MB] pairs, kc: nt bf16 rows of d (d even). Only the
 // first NF vectors of rows, and with H the next 8 rows in a half vector, are computed (a run's last row block
 // holds fewer than MB rows: 8 chats of a 3-head group are 24 rows of a 32-row block); the other lanes of st
-// keep what they held.
+// keep what they held. mx[x] gets each computed row's largest score (the softmax's max, taken as the scores
+// are stored instead of in a second pass over st).
 template <int MB, int KU, int NF, bool H>
 __attribute__((noinline)) void scores_pairs(const uint32_t* qp, const uint16_t* kc, int64_t nt, int64_t d,
-                                            float scale, float* st) {
+                                            float scale, float* st, float* mx) {
   static_assert(NF * 16 + (H ? 8 : 0) <= MB && NF >= 1, "the computed rows must fit the block");
   const int64_t dh = d / 2;
   const __m512 sc = _mm512_set1_ps(scale);
+  __m512 mv[NF];
+  __m256 mh = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int v = 0; v < NF; ++v) mv[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
   for (; t + KU <= nt; t += KU) {
     __m512 a[KU][NF];
@@ -75,8 +78,16 @@ __attribute__((noinline)) void scores_pairs(const uint32_t* qp, const uint16_t* 
 #pragma GCC unroll 8
     for (int u = 0; u < KU; ++u) {
 #pragma GCC unroll 3
-      for (int v = 0; v < NF; ++v) _mm512_storeu_ps(st + (t + u) * MB + v * 16, _mm512_mul_ps(a[u][v], sc));
-      if constexpr (H) _mm256_storeu_ps(st + (t + u) * MB + NF * 16, _mm256_mul_ps(ah[u], _mm512_castps512_ps256(sc)));
+      for (int v = 0; v < NF; ++v) {
+        const __m512 s = _mm512_mul_ps(a[u][v], sc);
+        mv[v] = _mm512_max_ps(mv[v], s);
+        _mm512_storeu_ps(st + (t + u) * MB + v * 16, s);
+      }
+      if constexpr (H) {
+        const __m256 s = _mm256_mul_ps(ah[u], _mm512_castps512_ps256(sc));
+        mh = _mm256_max_ps(mh, s);
+        _mm256_storeu_ps(st + (t + u) * MB + NF * 16, s);
+      }
     }
   }
   for (; t < nt; ++t) {
@@ -91,26 +102,36 @@ __attribute__((noinline)) void scores_pairs(const uint32_t* qp, const uint16_t* 
         ah = _mm256_dpbf16_ps(ah, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + i * MB + NF * 16)),
                               (__m256bh)_mm512_castsi512_si256((__m512i)kb));
     }
-    for (int v = 0; v < NF; ++v) _mm512_storeu_ps(st + t * MB + v * 16, _mm512_mul_ps(a[v], sc));
-    if constexpr (H) _mm256_storeu_ps(st + t * MB + NF * 16, _mm256_mul_ps(ah, _mm512_castps512_ps256(sc)));
+    for (int v = 0; v < NF; ++v) {
+      const __m512 s = _mm512_mul_ps(a[v], sc);
+      mv[v] = _mm512_max_ps(mv[v], s);
+      _mm512_storeu_ps(st + t * MB + v * 16, s);
+    }
+    if constexpr (H) {
+      const __m256 s = _mm256_mul_ps(ah, _mm512_castps512_ps256(sc));
+      mh = _mm256_max_ps(mh, s);
+      _mm256_storeu_ps(st + t * MB + NF * 16, s);
+    }
   }
+  for (int v = 0; v < NF; ++v) _mm512_storeu_ps(mx + v * 16, mv[v]);
+  if constexpr (H) _mm256_storeu_ps(mx + NF * 16, mh);
 }
 
 // The scores of a row block's first `rows` rows (`scores_pairs` over the fewest vectors that cover them).
 template <int MB, int KU>
 inline void scores_rows(int64_t rows, const uint32_t* qp, const uint16_t* kc, int64_t nt, int64_t d, float scale,
-                        float* st) {
+                        float* st, float* mx) {
   if constexpr (MB == 32) {
-    if (rows <= 16) return scores_pairs<32, KU, 1, false>(qp, kc, nt, d, scale, st);
-    if (rows <= 24) return scores_pairs<32, KU, 1, true>(qp, kc, nt, d, scale, st);
-    return scores_pairs<32, KU, 2, false>(qp, kc, nt, d, scale, st);
+    if (rows <= 16) return scores_pairs<32, KU, 1, false>(qp, kc, nt, d, scale, st, mx);
+    if (rows <= 24) return scores_pairs<32, KU, 1, true>(qp, kc, nt, d, scale, st, mx);
+    return scores_pairs<32, KU, 2, false>(qp, kc, nt, d, scale, st, mx);
   } else {
     static_assert(MB == 48, "row blocks of 2 or 3 vectors");
-    if (rows <= 16) return scores_pairs<48, KU, 1, false>(qp, kc, nt, d, scale, st);
-    if (rows <= 24) return scores_pairs<48, KU, 1, true>(qp, kc, nt, d, scale, st);
-    if (rows <= 32) return scores_pairs<48, KU, 2, false>(qp, kc, nt, d, scale, st);
-    if (rows <= 40) return scores_pairs<48, KU, 2, true>(qp, kc, nt, d, scale, st);
-    return scores_pairs<48, KU, 3, false>(qp, kc, nt, d, scale, st);
+    if (rows <= 16) return scores_pairs<48, KU, 1, false>(qp, kc, nt, d, scale, st, mx);
+    if (rows <= 24) return scores_pairs<48, KU, 1, true>(qp, kc, nt, d, scale, st, mx);
+    if (rows <= 32) return scores_pairs<48, KU, 2, false>(qp, kc, nt, d, scale, st, mx);
+    if (rows <= 40) return scores_pairs<48, KU, 2, true>(qp, kc, nt, d, scale, st, mx);
+    return scores_pairs<48, KU, 3, false>(qp, kc, nt, d, scale, st, mx);
   }
 }
 
@@ -197,13 +218,16 @@ inline __m512 exp16(__m512 x) {
 // returns their fp32 sum (before rounding).
 template <int MB>
 inline cs::vf exp_pairs(const float* st, int64_t nt, int64_t o, cs::vf mn, uint32_t* pp) {
+  const __m512i kInterleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   cs::vf sum{};
   for (int64_t t = 0; t < nt; t += 2) {
     const cs::vf e0 = (cs::vf)exp16((__m512)(cs::load(st + t * MB + o) - mn));
     const cs::vf e1 = t + 1 < nt ? (cs::vf)exp16((__m512)(cs::load(st + (t + 1) * MB + o) - mn)) : cs::vf{};
     sum += e0 + e1;
-    const __m512i lo = lo_half((__m512)e0), hi = _mm512_slli_epi32(lo_half((__m512)e1), 16);
-    _mm512_storeu_si512(pp + (t / 2) * MB + o, _mm512_or_si512(lo, hi));
+    // words [e0[0..15], e1[0..15]] (nearest even) -> pairs (e0[x], e1[x]) in 32-bit lane x
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0);
+    _mm512_storeu_si512(pp + (t / 2) * MB + o, _mm512_permutexvar_epi16(kInterleave, both));
   }
   return sum;
 }
@@ -211,7 +235,8 @@ inline cs::vf exp_pairs(const float* st, int64_t nt, int64_t o, cs::vf mn, uint3
 }  // namespace cs_dp
 #else
 namespace cs_dp {  // declarations only: the callers' discarded `if constexpr` branches name them
-template <int MB, int KU> void scores_rows(int64_t, const uint32_t*, const uint16_t*, int64_t, int64_t, float, float*);
+template <int MB, int KU> void scores_rows(int64_t, const uint32_t*, const uint16_t*, int64_t, int64_t, float, float*,
+                                           float*);
 template <int MB, int RU> void pv_pairs(const uint32_t*, const uint32_t*, int64_t, int64_t, float*, int64_t);
 void pack_values(const uint16_t*, int64_t, int64_t, uint32_t*);
 template <int MB> cs::vf exp_pairs(const float*, int64_t, int64_t, cs::vf, uint32_t*);
