@@ -198,7 +198,7 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
   float *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data(), *st = w.st.data();
   std::memset(acc, 0, sizeof(float) * Mp * d);
   for (int64_t x = 0; x < Mp; ++x) { m[x] = ninf; l[x] = 0.f; }
-  alignas(64) float rmax[MB];  // the pair path's row maxima of a chunk's scores (lanes it never computes stay -inf)
+  alignas(64) float rmax[MB];  // row maxima of a chunk's scores, stored with them (lanes never computed stay -inf)
   std::fill(rmax, rmax + MB, ninf);
   const int64_t c0 = a.cptr[r], P = a.cptr[r + 1] - c0;
   const int64_t cps = (P + a.nsplit - 1) / a.nsplit, p0 = s * cps, p1 = std::min(P, p0 + cps);
@@ -226,16 +226,14 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
         scores_rows<MB, kPairKU<NV>>(rows, qp + rb * d / 2 * MB, reinterpret_cast<const uint16_t*>(kbase + ch * a.cs),
                                       nt, d, a.qscale, st, rmax);
       else
-        scores<NV>(qt + rb * d * MB, kc, nt, d, st);
+        scores<NV>(qt + rb * d * MB, kc, nt, d, st, rmax);
       float* mr = m + rb * MB;
       float* lr = l + rb * MB;
       float* ar = acc + rb * MB * d;
       alignas(64) float alpha[MB];
       for (int v = 0; v < nvu; ++v) {
         const int64_t o = v * kW;
-        vf mx = cs::load((kPairs<T> ? rmax : st) + o);  // the pair path's scores came with their maxima
-        if constexpr (!kPairs<T>)
-          for (int64_t t = 1; t < nt; ++t) mx = cs::vmax(mx, cs::load(st + t * MB + o));
+        const vf mx = cs::load(rmax + o);
         const vf mo = cs::load(mr + o), mn = cs::vmax(mo, mx);
         vf sum{};
         if constexpr (kPairs<T>) {

@@ -21,11 +21,13 @@ template <int NV> struct Tile {
   static_assert(MB % RU == 0, "row block must split into P@V row tiles");
 };
 
-// st[t * MB + x] = q_x . k_t for nt keys (qt: [d, MB], keys row-major [nt, d]).
+// st[t * MB + x] = q_x . k_t for nt keys (qt: [d, MB], keys row-major [nt, d]); mx[x] = the row's largest score.
 template <int NV>
-__attribute__((noinline)) void scores(const float* qt, const float* kc, int64_t nt, int64_t d, float* st) {
+__attribute__((noinline)) void scores(const float* qt, const float* kc, int64_t nt, int64_t d, float* st, float* mx) {
   constexpr int64_t MB = Tile<NV>::MB;
   constexpr int KU = Tile<NV>::KU;
+  vf mv[NV];
+  for (int v = 0; v < NV; ++v) mv[v] = cs::splat(-__builtin_inff());
   int64_t t = 0;
   for (; t + KU <= nt; t += KU) {
     vf a[KU][NV] = {};
@@ -44,7 +46,10 @@ __attribute__((noinline)) void scores(const float* qt, const float* kc, int64_t 
 #pragma GCC unroll 8
     for (int u = 0; u < KU; ++u)
 #pragma GCC unroll 3
-      for (int v = 0; v < NV; ++v) cs::store(st + (t + u) * MB + v * kW, a[u][v]);
+      for (int v = 0; v < NV; ++v) {
+        mv[v] = cs::vmax(mv[v], a[u][v]);
+        cs::store(st + (t + u) * MB + v * kW, a[u][v]);
+      }
   }
   for (; t < nt; ++t) {
     vf a[NV] = {};
@@ -53,8 +58,12 @@ __attribute__((noinline)) void scores(const float* qt, const float* kc, int64_t 
 #pragma GCC unroll 3
       for (int v = 0; v < NV; ++v) a[v] += kt[j] * cs::load(qt + j * MB + v * kW);
 #pragma GCC unroll 3
-    for (int v = 0; v < NV; ++v) cs::store(st + t * MB + v * kW, a[v]);
+    for (int v = 0; v < NV; ++v) {
+      mv[v] = cs::vmax(mv[v], a[v]);
+      cs::store(st + t * MB + v * kW, a[v]);
+    }
   }
+  for (int v = 0; v < NV; ++v) cs::store(mx + v * kW, mv[v]);
 }
 
 // acc [MB, d] += P [MB, nt] V [nt, d], P given transposed (st[t * MB + x]); d % kW == 0.
