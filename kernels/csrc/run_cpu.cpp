@@ -5,8 +5,9 @@
 // together, so each key and value is loaded once per run instead of once per row: the matrix-matrix
 // form of the paper's chunk-first phase. Work items are (run, kv head, split of the run's chunks).
 // Inside an item, per chunk: scores S^T [t, rows] = K Q^T by a 4-key x 2-vector register tile over
-// rows pre-transposed to Q^T [D, rows]; online softmax vectorised across rows (one max, one exp
-// per score); then O [rows, D] += P V by a 4-row x 2-vector tile. Only valid token slots are read.
+// rows pre-transposed to Q^T [D, rows], which also keeps each row's max as it stores the scores; online
+// softmax vectorised across rows (one exp per score); then O [rows, D] += P V by a 4-row x 2-vector tile
+// (fp32 tiles prefetch the next chunk meanwhile). Only valid token slots are read.
 // Output, per run r: normalised o in slot r of [R, b, Hkv, g, D] and lse in [R, b, Hkv, g] (rows
 // [i, j) only; other rows of the slot are left untouched), or with kOneSlot all in slot 0 (runs over
 // disjoint rows: a prefill step's tokens). With kAccumulate (one slot only) a row's partial is merged by

@@ -31,7 +31,7 @@ def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path, front
     log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 (read back below)
     cmd = [sys.executable, "-m", "chunkserve.cli", "up", "--front", front, "--model", "random:tiny", "--config", str(cfg),
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--num-cpus", "2", "--drain-grace", "30",
-           "--engine", '{"chunk_size": 16, "num_kv_chunks": 64, "max_model_len": 256}']
+           "--engine", '{"chunk_size": 16, "num_kv_chunks": 640, "max_model_len": 2048}']
     env = {**os.environ, "RAY_ADDRESS": ""}  # a cluster of its own, never one left by another test
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
@@ -44,7 +44,13 @@ def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path, front
         warm = stream_completion(base, {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4,
                                         "temperature": 0.0}, 0, 120.0)
         assert warm.ok, warm
-        load = StreamLoad(base, MODEL, PROMPTS, clients=4, max_tokens=160).start()  # ~1.3-1.5 s each
+        # requests of about 2 s each, however fast this machine decodes (a 160-token stream took 0.15 s through
+        # HAProxy on one machine and 1.3-1.5 s on another; a stream shorter than 0.4 s is never found mid-way)
+        probe = stream_completion(base, {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 160,
+                                         "temperature": 0.0}, 2, 120.0)
+        assert probe.ok, probe
+        max_tokens = min(2000, max(160, round(160 * 2.0 / max(probe.t_end - probe.t_start, 1e-3))))
+        load = StreamLoad(base, MODEL, PROMPTS, clients=4, max_tokens=max_tokens).start()
         time.sleep(2.0)
         # the 4 clients' rounds can line up so that a fixed sleep lands just as a round starts (CI once saw no
         # request in flight): wait until one is 0.4-0.7 s into its stream, with ~0.6 s or more still to go
@@ -83,7 +89,11 @@ def test_ctrl_c_under_load_lets_every_in_flight_request_complete(tmp_path, front
         assert late.clean_error or refused, (late.status, late.error)
         assert rc == 0 and "chunkserve stopped." in text and "draining" in text
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        if proc.poll() is None:  # a failed test still stops its Ray cluster and HAProxy (a kill would orphan them)
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
         log.close()
