@@ -116,7 +116,7 @@ def tpp_decode_torch(
     g = hq // hkv
     dev = q_sorted.device
     ws = workspace or Workspace()
-    qf = q_sorted.float()  # [b, Hq, D]
+    qf = q_sorted if q_sorted.dtype == torch.float32 else ws.take("tpp_qf", (b, hq, d), torch.float32, dev).copy_(q_sorted)
     table, tokens, counts = memo_private_table(ctx, ws)
     kern = inplace_kernel(qf.view(b, hkv, g, d), k_pool_l, inplace)
     if kern is not None:
@@ -131,14 +131,18 @@ def tpp_decode_torch(
         res = ws.take("res", (b, hkv, g, d), torch.float32, dev)
         kern(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, table, tokens, scale, res, None, ws)
         return finish(res.view(b, hq, d), q_sorted, out)
-    part_o = ws.take("part_o", (max(slots, 1), b, hkv, g, d), torch.float32, dev)
+    runs_kernel = kern is not None and ctx.num_runs > 0 and kern.supports_runs(qf.view(b, hkv, g, d), k_pool_l)
+    # the lone run's partial is the answer: an fp32 `out` takes it straight from the kernel (no copy)
+    direct = (only_run and runs_kernel and out is not None and out.dtype == torch.float32 and out.is_contiguous()
+              and out.data_ptr() != qf.data_ptr())
+    part_o = out.view(1, b, hkv, g, d) if direct and out is not None else ws.take(
+        "part_o", (max(slots, 1), b, hkv, g, d), torch.float32, dev)
     part_lse = ws.take("part_lse", (max(slots, 1), b, hkv, g), torch.float32, dev)
     if not only_run:
         part_o[: ctx.num_runs].zero_()
         part_lse[: ctx.num_runs].fill_(float("-inf"))
     # phase 1: one batched partial per shared run, the queries of its rows stacked (GQA packed):
     # all runs in one in-place kernel call when it serves the shapes, else one ATen call per run
-    runs_kernel = kern is not None and ctx.num_runs > 0 and kern.supports_runs(qf.view(b, hkv, g, d), k_pool_l)
     if runs_kernel and kern is not None:
         run_attention(kern, qf.view(b, hkv, g, d), k_pool_l, v_pool_l, memo_run_table(ctx, ws), scale, part_o,
                       part_lse, ws)
@@ -152,7 +156,7 @@ def tpp_decode_torch(
         part_o[r, i:j].copy_(o.view(hkv, n, g, d).transpose(0, 1))
         part_lse[r, i:j].copy_(lse.view(hkv, n, g).transpose(0, 1))
     if only_run:
-        return finish(part_o[0].view(b, hq, d), q_sorted, out)
+        return out if direct and out is not None else finish(part_o[0].view(b, hq, d), q_sorted, out)
     # phase 2: every row's private chunks (in place, or position group by position group), then one
     # merge per row
     if kern is not None:

@@ -134,6 +134,22 @@ def test_full_sharing_uses_one_contiguous_run_read_as_a_view(cache_tree, check):
     assert check.rel_err(chunk_attention(q, tree.cache, ids, backend="torch"), tree.reference(q, ids, 0.125)) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_sharing_into_a_given_out_returns_it_with_the_same_values(cache_tree, dtype):
+    from chunkserve.kernels import Workspace, decode_attention
+
+    tree = cache_tree(6, 2, 64, 16, dtype, device="cpu")
+    ids = [tree.add([5, 6, 7, 8] * 16) for _ in range(4)]  # one run over every row, nothing private
+    ctx = tree.cache.context(ids)
+    q = torch.randn(4, 4, 64).to(dtype)
+    ws = Workspace()
+    args = (q, tree.cache.k_pool[0], tree.cache.v_pool[0], ctx)
+    fresh = decode_attention(*args, backend="torch", workspace=ws)
+    out = torch.full_like(q, float("nan"))
+    got = decode_attention(*args, backend="torch", out=out, workspace=ws)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, fresh)  # an fp32 out is written by the kernel
+
+
 def test_outputs_are_deterministic_and_follow_caller_order(cache_tree):
     tree = cache_tree(13, 2, 64, 16, torch.float32, device="cpu")
     ids = tree.grow(6, max_len=50)
