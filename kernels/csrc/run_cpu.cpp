@@ -100,17 +100,6 @@ template <typename T> constexpr bool kPairs = false;
 template <int NV> constexpr int kPairKU = NV == 3 ? 4 : 8;
 template <int NV> constexpr int kPairRU = NV == 3 ? 6 : 8;
 
-// Every cache line of chunk ch's first n elements of K and V (at run_item's head bases).
-template <typename T>
-inline void prefetch_chunk(const T* kbase, const T* vbase, const RunArgs& a, int64_t ch, int64_t n) {
-  const char* kn = reinterpret_cast<const char*>(kbase + ch * a.cs);
-  const char* vn = reinterpret_cast<const char*>(vbase + ch * a.cs);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) {
-    __builtin_prefetch(kn + off, 0, 3);
-    __builtin_prefetch(vn + off, 0, 3);
-  }
-}
-
 template <typename T>
 const float* as_f32(const T* src, int64_t n, std::vector<float>& buf) {
   if constexpr (std::is_same_v<T, float>) {
@@ -221,7 +210,8 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
     if (nt <= 0) continue;
     const int64_t ch = a.chunks[c0 + p];
     if constexpr (std::is_same_v<T, float>)  // fp32 tiles read K and V where they lie: the next chunk's into L1
-      if (p + 1 < p1) prefetch_chunk(kbase, vbase, a, a.chunks[c0 + p + 1], a.tokens[c0 + p + 1] * d);
+      if (p + 1 < p1) cs_tiles::prefetch(kbase + a.chunks[c0 + p + 1] * a.cs, vbase + a.chunks[c0 + p + 1] * a.cs,
+                                         a.tokens[c0 + p + 1] * d);
     const float* kc = nullptr;
     const float* vc = nullptr;
     if constexpr (kPairs<T>) {
