@@ -133,9 +133,9 @@ def tpp_decode_torch(
         return finish(res.view(b, hq, d), q_sorted, out)
     runs_kernel = kern is not None and ctx.num_runs > 0 and kern.supports_runs(qf.view(b, hkv, g, d), k_pool_l)
     # the lone run's partial is the answer: an fp32 `out` takes it straight from the kernel (no copy)
-    direct = (only_run and runs_kernel and out is not None and out.dtype == torch.float32 and out.is_contiguous()
-              and out.data_ptr() != qf.data_ptr())
-    part_o = out.view(1, b, hkv, g, d) if direct and out is not None else ws.take(
+    direct = out if (only_run and runs_kernel and out is not None and out.dtype == torch.float32
+                     and out.is_contiguous() and out.data_ptr() != qf.data_ptr()) else None
+    part_o = direct.view(1, b, hkv, g, d) if direct is not None else ws.take(
         "part_o", (max(slots, 1), b, hkv, g, d), torch.float32, dev)
     part_lse = ws.take("part_lse", (max(slots, 1), b, hkv, g), torch.float32, dev)
     if not only_run:
@@ -156,7 +156,7 @@ def tpp_decode_torch(
         part_o[r, i:j].copy_(o.view(hkv, n, g, d).transpose(0, 1))
         part_lse[r, i:j].copy_(lse.view(hkv, n, g).transpose(0, 1))
     if only_run:
-        return out if direct and out is not None else finish(part_o[0].view(b, hq, d), q_sorted, out)
+        return direct if direct is not None else finish(part_o[0].view(b, hq, d), q_sorted, out)
     # phase 2: every row's private chunks (in place, or position group by position group), then one
     # merge per row
     if kern is not None:

@@ -70,13 +70,8 @@ void run_item(const Args& a, int64_t row, int64_t h, int64_t s, float* o_dst, fl
     const T* kc = kbase + static_cast<int64_t>(tab[p]) * a.cs;
     const T* vc = vbase + static_cast<int64_t>(tab[p]) * a.cs;
     if (p + 1 < p1 && tok[p + 1] > 0) {  // the next chunk lies anywhere in the pool: fetch it while this one runs
-      const char* nk = reinterpret_cast<const char*>(kbase + static_cast<int64_t>(tab[p + 1]) * a.cs);
-      const char* nv = reinterpret_cast<const char*>(vbase + static_cast<int64_t>(tab[p + 1]) * a.cs);
-      const int64_t bytes = tok[p + 1] * d * static_cast<int64_t>(sizeof(T));
-      for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(nk + off, 0, 2);
-        __builtin_prefetch(nv + off, 0, 2);
-      }
+      const int64_t nx = static_cast<int64_t>(tab[p + 1]) * a.cs;
+      cs::prefetch_kv<2>(kbase + nx, vbase + nx, tok[p + 1] * d);
     }
     cs_tile::by_groups(g, [&](int64_t g0, auto gb) {  // scores: sc[gi, t] = q_gi . k_t
       cs_tile::scores<T, decltype(gb)::value>(q + g0 * d, kc, nt, d, sc + g0 * kMaxC);

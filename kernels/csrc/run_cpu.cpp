@@ -210,8 +210,10 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
     if (nt <= 0) continue;
     const int64_t ch = a.chunks[c0 + p];
     if constexpr (std::is_same_v<T, float>)  // fp32 tiles read K and V where they lie: the next chunk's into L1
-      if (p + 1 < p1) cs_tiles::prefetch(kbase + a.chunks[c0 + p + 1] * a.cs, vbase + a.chunks[c0 + p + 1] * a.cs,
-                                         a.tokens[c0 + p + 1] * d);
+      if (p + 1 < p1) {
+        const int64_t nx = a.chunks[c0 + p + 1] * a.cs;
+        cs::prefetch_kv<3>(kbase + nx, vbase + nx, a.tokens[c0 + p + 1] * d);
+      }
     const float* kc = nullptr;
     const float* vc = nullptr;
     if constexpr (kPairs<T>) {

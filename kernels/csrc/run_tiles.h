@@ -21,14 +21,6 @@ template <int NV> struct Tile {
   static_assert(MB % RU == 0, "row block must split into P@V row tiles");
 };
 
-// Every cache line of n floats at k and at v into L1 (the next chunk, while the tiles work on this one).
-inline void prefetch(const float* k, const float* v, int64_t n) {
-  for (int64_t off = 0; off < n; off += 16) {
-    __builtin_prefetch(k + off, 0, 3);
-    __builtin_prefetch(v + off, 0, 3);
-  }
-}
-
 // st[t * MB + x] = q_x . k_t for nt keys (qt: [d, MB], keys row-major [nt, d]); mx[x] = the row's largest score.
 template <int NV>
 __attribute__((noinline)) void scores(const float* qt, const float* kc, int64_t nt, int64_t d, float* st, float* mx) {

@@ -55,6 +55,18 @@ inline void keep(vf& v) {
 }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
+// Every cache line of a chunk's n elements of K (at k) and V (at v) into the cache level `Locality` names
+// (__builtin_prefetch: 3 = L1, 2 = L2): the next chunk of a row or run, fetched while the current one computes.
+template <int Locality, typename T>
+inline void prefetch_kv(const T* k, const T* v, int64_t n) {
+  const char* kc = reinterpret_cast<const char*>(k);
+  const char* vc = reinterpret_cast<const char*>(v);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) {
+    __builtin_prefetch(kc + off, 0, Locality);
+    __builtin_prefetch(vc + off, 0, Locality);
+  }
+}
+
 // exp(x) for x <= 0 (softmax arguments; inputs below -87 flush to 0, -inf gives 0), relative error
 // about 2e-7: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^n through the exponent bits.
 inline vf vexp(vf x) {
