@@ -209,10 +209,14 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
     const int64_t nt = a.tokens[c0 + p];
     if (nt <= 0) continue;
     const int64_t ch = a.chunks[c0 + p];
-    if constexpr (std::is_same_v<T, float>)  // fp32 tiles read K and V where they lie: the next chunk's into L1
+    cs::Spread pf;  // tiles that read fp32 K and V where they lie (or convert them): the next chunk's into L1 as this
+    if constexpr (!kPairs<T>)  // chunk's scores run (the bf16 pair path was slower with any next-chunk prefetch)
       if (p + 1 < p1) {
-        const int64_t nx = a.chunks[c0 + p + 1] * a.cs;
-        cs::prefetch_kv<3>(kbase + nx, vbase + nx, a.tokens[c0 + p + 1] * d);
+        const int64_t nx = a.chunks[c0 + p + 1] * a.cs, steps = nrb * (nt / Tile<NV>::KU) * d;
+        const int64_t lines = (a.tokens[c0 + p + 1] * d * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+        pf.k = reinterpret_cast<const char*>(kbase + nx), pf.v = reinterpret_cast<const char*>(vbase + nx);
+        pf.left = lines, pf.every = std::max<int64_t>(1, steps / lines);
+        if (steps == 0) cs::prefetch_kv<3>(kbase + nx, vbase + nx, a.tokens[c0 + p + 1] * d), pf.left = 0;
       }
     const float* kc = nullptr;
     const float* vc = nullptr;
@@ -232,7 +236,7 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
         scores_rows<MB, kPairKU<NV>>(rows, qp + rb * d / 2 * MB, reinterpret_cast<const uint16_t*>(kbase + ch * a.cs),
                                       nt, d, a.qscale, st, rmax);
       else
-        scores<NV>(qt + rb * d * MB, kc, nt, d, st, rmax);
+        scores<NV>(qt + rb * d * MB, kc, nt, d, st, rmax, pf);
       float* mr = m + rb * MB;
       float* lr = l + rb * MB;
       float* ar = acc + rb * MB * d;

@@ -23,7 +23,8 @@ template <int NV> struct Tile {
 
 // st[t * MB + x] = q_x . k_t for nt keys (qt: [d, MB], keys row-major [nt, d]); mx[x] = the row's largest score.
 template <int NV>
-__attribute__((noinline)) void scores(const float* qt, const float* kc, int64_t nt, int64_t d, float* st, float* mx) {
+__attribute__((noinline)) void scores(const float* qt, const float* kc, int64_t nt, int64_t d, float* st, float* mx,
+                                      cs::Spread& pf) {
   constexpr int64_t MB = Tile<NV>::MB;
   constexpr int KU = Tile<NV>::KU;
   vf mv[NV];
@@ -33,6 +34,7 @@ __attribute__((noinline)) void scores(const float* qt, const float* kc, int64_t 
     vf a[KU][NV] = {};
     const float* kr = kc + t * d;  // key t + u at kr[u * d + j]
     for (int64_t j = 0; j < d; ++j, ++kr) {
+      pf.step();
       vf q[NV];
 #pragma GCC unroll 3
       for (int v = 0; v < NV; ++v) { q[v] = cs::load(qt + j * MB + v * kW); cs::keep(q[v]); }

@@ -67,6 +67,21 @@ inline void prefetch_kv(const T* k, const T* v, int64_t n) {
   }
 }
 
+// Lines of the next chunk's K and V still to prefetch, one pair every `every` steps of the score loops: a burst of
+// a whole chunk's prefetches at once left most of it unfetched (fp32 GQA at full sharing, K/V cold: 1.55 ms
+// against 1.45 ms spread).
+struct Spread {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t left = 0, every = 1, tick = 1;
+  void step() {
+    if (left > 0 && --tick == 0) {
+      __builtin_prefetch(k, 0, 3), __builtin_prefetch(v, 0, 3);
+      k += 64, v += 64, --left, tick = every;
+    }
+  }
+};
+
 // exp(x) for x <= 0 (softmax arguments; inputs below -87 flush to 0, -inf gives 0), relative error
 // about 2e-7: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^n through the exponent bits.
 inline vf vexp(vf x) {
