@@ -113,7 +113,7 @@ class CpuDecodeKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        if lib.cs_abi_version() != 7:
+        if lib.cs_abi_version() != 8:
             raise RuntimeError(f"{path} has an unexpected ABI version")
         fn = lib.cs_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -243,21 +243,25 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
                   ws: Workspace, one_slot: bool = False, accumulate: bool = False) -> None:
     """TPP phase 1 on the CPU: each run's stacked queries against its chunks, read in place.
 
-    q4: [b, Hkv, g, D] fp32; pools: [Hkv, N, c, D]; part_o: [S >= R, b, Hkv, g, D] and part_lse:
-    [S, b, Hkv, g] fp32 contiguous. Slot r receives run r's partial for its rows [i, j) only; with
-    ``one_slot`` (runs over disjoint rows) every run writes slot 0, so S may be 1; with ``accumulate`` (and
-    ``one_slot``) each row's partial is merged by log-sum-exp into the normalised (o, lse) in slot 0.
+    q4: [b, Hkv, g, D] fp32 or bf16; pools: [Hkv, N, c, D]; part_o: [S >= R, b, Hkv, g, D] fp32 (or bf16 without
+    ``accumulate``: a bf16 model's output, rounded as ``.to(torch.bfloat16)``) and part_lse: [S, b, Hkv, g] fp32,
+    both contiguous. Slot r receives run r's partial for its rows [i, j) only; with ``one_slot`` (runs over
+    disjoint rows) every run writes slot 0, so S may be 1; with ``accumulate`` (and ``one_slot``) each row's
+    partial is merged by log-sum-exp into the normalised (o, lse) in slot 0.
     """
     if accumulate and not one_slot:
         raise ValueError("accumulate needs one_slot: runs over disjoint rows")
     b, hkv, g, d = q4.shape
     c = k_pool_l.shape[2]
     n_runs = table.rows.shape[0]
+    out_bf16 = part_o.dtype == torch.bfloat16 and not accumulate
     if not (part_o.is_contiguous() and part_lse.is_contiguous() and part_o.shape[0] >= (1 if one_slot else n_runs)
             and part_o.shape[1:] == q4.shape and part_lse.shape == (part_o.shape[0], *q4.shape[:3])
-            and part_o.dtype == part_lse.dtype == torch.float32):
-        raise ValueError("part_o / part_lse must be contiguous fp32 [S >= runs, b, Hkv, g, D] / [S, b, Hkv, g]")
-    raw = q4.is_contiguous() and q4.dtype == torch.float32  # the kernel scales q as it reads it (kRawQ)
+            and (part_o.dtype == torch.float32 or out_bf16) and part_lse.dtype == torch.float32):
+        raise ValueError("part_o / part_lse must be contiguous fp32 [S >= runs, b, Hkv, g, D] / [S, b, Hkv, g] "
+                         "(part_o may be bf16 without accumulate)")
+    # the kernel reads a contiguous fp32 or bf16 q as it lies, scaling it as it reads it (kRawQ; kQBf16)
+    raw = q4.is_contiguous() and q4.dtype in (torch.float32, torch.bfloat16) and d <= MAX_HEAD_DIM
     qs = q4 if raw else torch.mul(q4, scale, out=ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device))
     threads, nsplit, mmax = run_launch_params(table, hkv, g, d, c)
     so = slse = None
@@ -268,7 +272,9 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
                     DTYPE_CODES[k_pool_l.dtype], table.rows.data_ptr(), table.cptr.data_ptr(),
                     table.chunks.data_ptr(), table.tokens.data_ptr(), n_runs, b, hkv, g, d, c, nsplit, mmax,
                     None if so is None else so.data_ptr(), None if slse is None else slse.data_ptr(),
-                    part_o.data_ptr(), part_lse.data_ptr(), threads, int(one_slot) | 2 * int(accumulate) | 4 * int(raw),
+                    part_o.data_ptr(), part_lse.data_ptr(), threads,
+                    int(one_slot) | 2 * int(accumulate) | 4 * int(raw) | 8 * int(qs.dtype == torch.bfloat16)
+                    | 16 * int(out_bf16),
                     scale, None if table.qpos is None else table.qpos.data_ptr())
     if rc != 0:
         raise RuntimeError(f"cs_run_attention failed with code {rc} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")

@@ -116,9 +116,8 @@ def tpp_decode_torch(
     g = hq // hkv
     dev = q_sorted.device
     ws = workspace or Workspace()
-    qf = q_sorted if q_sorted.dtype == torch.float32 else ws.take("tpp_qf", (b, hq, d), torch.float32, dev).copy_(q_sorted)
     table, tokens, counts = memo_private_table(ctx, ws)
-    kern = inplace_kernel(qf.view(b, hkv, g, d), k_pool_l, inplace)
+    kern = inplace_kernel(q_sorted.view(b, hkv, g, d), k_pool_l, inplace)
     if kern is not None:
         group = 0  # unused: the kernel covers every private chunk of a row in one slot
         slots = ctx.num_runs + (1 if max(counts, default=0) else 0)
@@ -127,16 +126,18 @@ def tpp_decode_torch(
         slots = ctx.num_runs + num_groups(counts, group)
     # one shared run over every row and nothing private (full sharing): its partial is the answer
     only_run = slots == 1 and ctx.num_runs == 1 and ctx.runs_host[0][1] - ctx.runs_host[0][0] == b
+    runs_kernel = kern is not None and ctx.num_runs > 0 and kern.supports_runs(q_sorted.view(b, hkv, g, d), k_pool_l)
+    if only_run and runs_kernel and _direct(q_sorted, out):  # the kernel reads q and writes the answer as they lie
+        res = out if out is not None else torch.empty_like(q_sorted)
+        run_attention(kern, q_sorted.view(b, hkv, g, d), k_pool_l, v_pool_l, memo_run_table(ctx, ws), scale,
+                      res.view(1, b, hkv, g, d), ws.take("part_lse", (1, b, hkv, g), torch.float32, dev), ws)
+        return res
+    qf = q_sorted if q_sorted.dtype == torch.float32 else ws.take("tpp_qf", (b, hq, d), torch.float32, dev).copy_(q_sorted)
     if kern is not None and ctx.num_runs == 0:  # nothing shared: one in-place pass is the answer
         res = ws.take("res", (b, hkv, g, d), torch.float32, dev)
         kern(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, table, tokens, scale, res, None, ws)
         return finish(res.view(b, hq, d), q_sorted, out)
-    runs_kernel = kern is not None and ctx.num_runs > 0 and kern.supports_runs(qf.view(b, hkv, g, d), k_pool_l)
-    # the lone run's partial is the answer: an fp32 `out` takes it straight from the kernel (no copy)
-    direct = out if (only_run and runs_kernel and out is not None and out.dtype == torch.float32
-                     and out.is_contiguous() and out.data_ptr() != qf.data_ptr()) else None
-    part_o = direct.view(1, b, hkv, g, d) if direct is not None else ws.take(
-        "part_o", (max(slots, 1), b, hkv, g, d), torch.float32, dev)
+    part_o = ws.take("part_o", (max(slots, 1), b, hkv, g, d), torch.float32, dev)
     part_lse = ws.take("part_lse", (max(slots, 1), b, hkv, g), torch.float32, dev)
     if not only_run:
         part_o[: ctx.num_runs].zero_()
@@ -156,7 +157,7 @@ def tpp_decode_torch(
         part_o[r, i:j].copy_(o.view(hkv, n, g, d).transpose(0, 1))
         part_lse[r, i:j].copy_(lse.view(hkv, n, g).transpose(0, 1))
     if only_run:
-        return direct if direct is not None else finish(part_o[0].view(b, hq, d), q_sorted, out)
+        return finish(part_o[0].view(b, hq, d), q_sorted, out)
     # phase 2: every row's private chunks (in place, or position group by position group), then one
     # merge per row
     if kern is not None:
@@ -172,3 +173,11 @@ def tpp_decode_torch(
                            ws.take("res", (b, hq, d), torch.float32, dev))
     return finish(res, q_sorted, out)
 
+
+def _direct(q: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """Whether the phase-1 kernel can read ``q`` and write ``out`` (or a new tensor like q) as they lie: fp32 or
+    bf16, contiguous, and ``out`` is not q (the kernel reads q rows while it writes finished ones)."""
+    if q.dtype not in (torch.float32, torch.bfloat16) or not q.is_contiguous():
+        return False
+    return out is None or (out.dtype == q.dtype and out.is_contiguous() and out.shape == q.shape
+                           and out.data_ptr() != q.data_ptr())

@@ -324,7 +324,7 @@ int cs_decode_layer(const CsLayerPlan* p, const void* q, int64_t ldq, const void
   return 0;
 }
 
-int cs_abi_version() { return 7; }
+int cs_abi_version() { return 8; }
 
 // dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or a negative code for unsupported shapes.
 int cs_decode_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,

@@ -22,6 +22,7 @@
 #include <omp.h>
 
 #include "run_amx.h"
+#include "run_args.h"
 #include "run_bf16.h"
 #include "run_scratch.h"
 #include "run_tiles.h"
@@ -30,65 +31,11 @@
 namespace {
 
 using cs::kW, cs::vf;
+using cs_run::finish_item, cs_run::kAccumulate, cs_run::kOneSlot, cs_run::kOutBf16, cs_run::kQBf16, cs_run::kRawQ,
+    cs_run::merge, cs_run::qpre, cs_run::qrow, cs_run::RunArgs;
+constexpr int64_t kQBufMax = 256;  // head dims a bf16 q may have (a row converted on the stack)
 using cs_dp::exp_pairs, cs_dp::pack_values, cs_dp::pv_pairs, cs_dp::scores_rows;
 using cs_tiles::pv, cs_tiles::scores, cs_tiles::Tile;
-
-struct RunArgs {
-  const float* q;          // [b, hkv, g, d] fp32, pre-scaled (unscaled with kRawQ)
-  const void* k;           // pool layer, element (h, n, t, j) at h*hs + n*cs + t*d + j
-  const void* v;
-  int64_t hs, cs;
-  const int32_t* rows;     // [R, 2] (i, j)
-  const int32_t* cptr;     // [R + 1] offsets into chunks / tokens
-  const int32_t* chunks;   // chunk ids of every run, concatenated
-  const int32_t* tokens;   // valid tokens per chunk
-  int64_t R, b, hkv, g, d, c, nsplit, mmax;
-  float* so;               // [R, hkv, nsplit, mmax, d] scratch (nsplit > 1)
-  float* slse;             // [R, hkv, nsplit, mmax]
-  float* o;                // [R, b, hkv, g, d]
-  float* lse;              // [R, b, hkv, g]
-  int64_t flags;           // kOneSlot | kAccumulate | kRawQ
-  const int32_t* qpos;     // [R] causal runs (AMX only): key index of each run's first token, else null
-  float qscale;            // the scale q was multiplied by (the bf16 pair path packs q / qscale, then scales S)
-};
-
-constexpr int64_t kOneSlot = 1;     // every run writes slot 0 (their rows are disjoint)
-constexpr int64_t kAccumulate = 2;  // merge into (o, lse) of slot 0 instead of overwriting them
-constexpr int64_t kRawQ = 4;        // q arrives unscaled: multiplied by qscale as it is read (the same product)
-
-inline float qpre(const RunArgs& a) { return (a.flags & kRawQ) ? a.qscale : 1.f; }
-
-inline int64_t oslot(const RunArgs& a, int64_t r) { return (a.flags & kOneSlot) ? 0 : r; }
-
-// Write the normalised partial (acc / l, m + log l) of one query row, or merge it into the row's (o, lse).
-inline void put_row(const RunArgs& a, const float* acc, float m, float l, float* od, float* ld) {
-  const int64_t d = a.d;
-  const float ninf = -std::numeric_limits<float>::infinity();
-  const float lse = l > 0.f ? m + std::log(l) : ninf;
-  if (!(a.flags & kAccumulate)) {
-    if (l > 0.f) {
-      const float inv = 1.f / l;
-      for (int64_t j = 0; j < d; ++j) od[j] = acc[j] * inv;
-    } else {
-      std::memset(od, 0, sizeof(float) * d);
-    }
-    *ld = lse;
-    return;
-  }
-  if (lse == ninf) return;  // nothing to add
-  const float old = *ld;
-  if (old == ninf) {  // the row held nothing (its o may be anything): the run's partial alone
-    const float inv = 1.f / l;
-    for (int64_t j = 0; j < d; ++j) od[j] = acc[j] * inv;
-    *ld = lse;
-    return;
-  }
-  const float mx = std::max(old, lse);
-  const float w_old = std::exp(old - mx), w_new = std::exp(lse - mx), tot = w_old + w_new;
-  const float a_old = w_old / tot, a_new = w_new / (tot * l);
-  for (int64_t j = 0; j < d; ++j) od[j] = od[j] * a_old + acc[j] * a_new;
-  *ld = mx + std::log(tot);
-}
 
 // bf16 chunks multiply bf16 pairs with vdpbf16ps where the CPU has it (run_bf16.h), else fp32 FMAs.
 #ifdef CS_RUN_DPBF16
@@ -110,12 +57,6 @@ const float* as_f32(const T* src, int64_t n, std::vector<float>& buf) {
   }
 }
 
-// Query row x (0 <= x < M) of head h in run rows [i, j): batch row i + x / g, group x % g.
-inline const float* qrow(const RunArgs& a, int64_t i, int64_t h, int64_t x) {
-  return a.q + (((i + x / a.g) * a.hkv + h) * a.g + x % a.g) * a.d;
-}
-
-void finish_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, const float* acc, const float* m, const float* l);
 
 #ifdef CS_RUN_AMX
 // run_item on bf16 chunks with AMX tiles (run_amx.h): the same (acc, m, l) per row, in 16-row blocks.
@@ -128,7 +69,8 @@ void run_item_amx(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w)
       std::memset(qb + x * d, 0, sizeof(uint16_t) * d);
       continue;
     }
-    const float* src = qrow(a, i, h, x);
+    alignas(64) float qbuf[kQBufMax];
+    const float* src = qrow(a, i, h, x, qbuf);
     for (int64_t j = 0; j < d; j += 16) {  // nearest even, as cs::bf16_bits
       const __m512 qv = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(src + j), pre), rs);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + x * d + j), (__m256i)_mm512_cvtneps_pbh(qv));
@@ -183,10 +125,11 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
   float* qt = w.qt.data();  // [nrb, d, MB] fp32, or [nrb, d/2, MB] bf16 pairs
   uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
   const float rs = 1.f / a.qscale, pre = qpre(a);  // a bf16 model's queries come back: q * s * (1 / s) rounds to q
+  alignas(64) float qbuf[kQBufMax];
   for (int64_t rb = 0; rb < nrb; ++rb)
     for (int64_t x = 0; x < MB; ++x) {
       const int64_t row = rb * MB + x;
-      const float* src = row < M ? qrow(a, i, h, row) : nullptr;
+      const float* src = row < M ? qrow(a, i, h, row, qbuf) : nullptr;
       if constexpr (kPairs<T>) {
         for (int64_t j = 0; j < d; j += 2)
           qp[(rb * d / 2 + j / 2) * MB + x] =
@@ -276,50 +219,6 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
   finish_item(a, r, h, s, acc, m, l);
 }
 
-// Write an item's rows: (acc / l, m + log l) into the output (one split) or its split's scratch slot.
-void finish_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, const float* acc, const float* m, const float* l) {
-  const int64_t d = a.d, i = a.rows[2 * r], M = (a.rows[2 * r + 1] - i) * a.g;
-  const float ninf = -std::numeric_limits<float>::infinity();
-  const bool direct = a.nsplit == 1;
-  for (int64_t x = 0; x < M; ++x) {
-    const int64_t slot = ((r * a.hkv + h) * a.nsplit + s) * a.mmax + x;
-    float* od = direct ? a.o + (oslot(a, r) * a.b * a.hkv * a.g) * d + (qrow(a, i, h, x) - a.q) : a.so + slot * d;
-    float* ld = direct ? a.lse + oslot(a, r) * a.b * a.hkv * a.g + (qrow(a, i, h, x) - a.q) / d : a.slse + slot;
-    if (direct) {
-      put_row(a, acc + x * d, m[x], l[x], od, ld);
-    } else if (l[x] > 0.f) {
-      const float inv = 1.f / l[x];
-      for (int64_t j = 0; j < d; ++j) od[j] = acc[x * d + j] * inv;
-      *ld = m[x] + std::log(l[x]);
-    } else {
-      std::memset(od, 0, sizeof(float) * d);
-      *ld = ninf;
-    }
-  }
-}
-
-void merge(const RunArgs& a, int64_t r, int64_t h, float* sum) {
-  const int64_t d = a.d, i = a.rows[2 * r], M = (a.rows[2 * r + 1] - i) * a.g, S = a.nsplit;
-  const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t x = 0; x < M; ++x) {
-    const int64_t off = qrow(a, i, h, x) - a.q;
-    float* od = a.o + oslot(a, r) * a.b * a.hkv * a.g * d + off;
-    float* ld = a.lse + oslot(a, r) * a.b * a.hkv * a.g + off / d;
-    float mx = ninf;
-    for (int64_t s = 0; s < S; ++s) mx = std::max(mx, a.slse[((r * a.hkv + h) * S + s) * a.mmax + x]);
-    std::memset(sum, 0, sizeof(float) * d);
-    float tot = 0.f;  // sum / tot with lse mx + log(tot): the splits' partial, merged like a split's accumulator
-    for (int64_t s = 0; s < S && mx != ninf; ++s) {
-      const int64_t slot = ((r * a.hkv + h) * S + s) * a.mmax + x;
-      if (a.slse[slot] == ninf) continue;
-      const float wgt = std::exp(a.slse[slot] - mx);
-      tot += wgt;
-      for (int64_t j = 0; j < d; ++j) sum[j] += wgt * a.so[slot * d + j];
-    }
-    put_row(a, sum, mx, tot, od, ld);
-  }
-}
-
 template <typename T, int NV>
 void run(const RunArgs& a, int nthreads) {
   constexpr int64_t MB = Tile<NV>::MB;
@@ -377,17 +276,19 @@ int cs_run_amx(int64_t d) {
 }
 
 // dtype: 0 fp32, 1 bf16, 2 fp16; flags: kOneSlot (1) writes every run into slot 0, kAccumulate (2, with
-// kOneSlot) merges into the (o, lse) there; q arrives multiplied by qscale (> 0), or unscaled with kRawQ (4).
-// Returns 0, or a negative code for unsupported arguments.
-int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
+// kOneSlot) merges into the (o, lse) there; q arrives multiplied by qscale (> 0), or unscaled with kRawQ (4); q is bf16
+// with kQBf16 (8), o is bf16 with kOutBf16 (16, not with kAccumulate). Returns 0, or a negative code for unsupported
+// arguments.
+int cs_run_attention(const void* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
                      const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
                      int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
-                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t flags,
+                     int64_t mmax, float* so, float* slse, void* o, float* lse, int nthreads, int64_t flags,
                      float qscale, const int32_t* qpos) {
   if (d < 1 || d % kW != 0 || c < 1 || nsplit < 1 || g < 1 || !(qscale > 0.f)) return -1;
   if (qpos != nullptr && (dtype != 1 || nsplit > 1 || !cs_run_amx(d))) return -5;  // causal runs: AMX only
   if ((flags & kAccumulate) && !(flags & kOneSlot)) return -4;
   if (nsplit > 1 && (so == nullptr || slse == nullptr)) return -2;
+  if (((flags & kOutBf16) && (flags & kAccumulate)) || ((flags & kQBf16) && d > kQBufMax)) return -6;
   const RunArgs a{q, k, v, hs, cs, rows, cptr, chunks, tokens, R, b, hkv, g, d, c, nsplit, mmax, so, slse, o, lse,
                   flags, qpos, qscale};
   if (nthreads < 1) nthreads = 1;

@@ -147,7 +147,12 @@ def test_full_sharing_into_a_given_out_returns_it_with_the_same_values(cache_tre
     fresh = decode_attention(*args, backend="torch", workspace=ws)
     out = torch.full_like(q, float("nan"))
     got = decode_attention(*args, backend="torch", out=out, workspace=ws)
-    assert got.data_ptr() == out.data_ptr() and torch.equal(out, fresh)  # an fp32 out is written by the kernel
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, fresh)  # out is written by the kernel
+    # the same values in a strided q take the other path (q converted to fp32, the fp32 answer rounded by torch):
+    # the kernel's own read of q and write of out (bf16 included) give the same bits
+    strided = q.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous()
+    assert torch.equal(decode_attention(strided, *args[1:], backend="torch", workspace=ws), fresh)
 
 
 def test_outputs_are_deterministic_and_follow_caller_order(cache_tree):
