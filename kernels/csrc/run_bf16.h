@@ -217,11 +217,12 @@ inline __m512 exp16(__m512 x) {
 // Column o (16 rows) of the probabilities exp(st[t] - mn), t < nt, as bf16 pairs into pp [ceil(nt/2), MB];
 // returns their fp32 sum (before rounding).
 template <int MB>
-inline cs::vf exp_pairs(const float* st, int64_t nt, int64_t o, cs::vf mn, uint32_t* pp) {
+inline cs::vf exp_pairs(const float* st, int64_t nt, int64_t o, cs::vf mn, uint32_t* pp, cs::Spread& pf) {
   const __m512i kInterleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   cs::vf sum{};
   for (int64_t t = 0; t < nt; t += 2) {
+    pf.step();
     const cs::vf e0 = (cs::vf)exp16((__m512)(cs::load(st + t * MB + o) - mn));
     const cs::vf e1 = t + 1 < nt ? (cs::vf)exp16((__m512)(cs::load(st + (t + 1) * MB + o) - mn)) : cs::vf{};
     sum += e0 + e1;
@@ -239,6 +240,6 @@ template <int MB, int KU> void scores_rows(int64_t, const uint32_t*, const uint1
                                            float*);
 template <int MB, int RU> void pv_pairs(const uint32_t*, const uint32_t*, int64_t, int64_t, float*, int64_t);
 void pack_values(const uint16_t*, int64_t, int64_t, uint32_t*);
-template <int MB> cs::vf exp_pairs(const float*, int64_t, int64_t, cs::vf, uint32_t*);
+template <int MB> cs::vf exp_pairs(const float*, int64_t, int64_t, cs::vf, uint32_t*, cs::Spread&);
 }  // namespace cs_dp
 #endif

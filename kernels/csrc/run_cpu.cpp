@@ -152,15 +152,18 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
     const int64_t nt = a.tokens[c0 + p];
     if (nt <= 0) continue;
     const int64_t ch = a.chunks[c0 + p];
-    cs::Spread pf;  // tiles that read fp32 K and V where they lie (or convert them): the next chunk's into L1 as this
-    if constexpr (!kPairs<T>)  // chunk's scores run (the bf16 pair path was slower with any next-chunk prefetch)
-      if (p + 1 < p1) {
-        const int64_t nx = a.chunks[c0 + p + 1] * a.cs, steps = nrb * (nt / Tile<NV>::KU) * d;
-        const int64_t lines = (a.tokens[c0 + p + 1] * d * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-        pf.k = reinterpret_cast<const char*>(kbase + nx), pf.v = reinterpret_cast<const char*>(vbase + nx);
-        pf.left = lines, pf.every = std::max<int64_t>(1, steps / lines);
-        if (steps == 0) cs::prefetch_kv<3>(kbase + nx, vbase + nx, a.tokens[c0 + p + 1] * d), pf.left = 0;
-      }
+    // the next chunk's K and V into L1 as this chunk runs (the tiles read them where they lie; a burst at the chunk's
+    // start left most of it unfetched): spread over the head-dim steps of the fp32 score tile, or over the bf16 pairs'
+    // softmax (a vector of two keys' probabilities a step), each the placement that measured fastest for its path
+    cs::Spread pf;
+    if (p + 1 < p1) {
+      const int64_t nx = a.chunks[c0 + p + 1] * a.cs;
+      const int64_t steps = kPairs<T> ? nrb * (MB / kW) * ((nt + 1) / 2) : nrb * (nt / Tile<NV>::KU) * d;
+      const int64_t lines = (a.tokens[c0 + p + 1] * d * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+      pf.k = reinterpret_cast<const char*>(kbase + nx), pf.v = reinterpret_cast<const char*>(vbase + nx);
+      pf.left = lines, pf.every = std::max<int64_t>(1, steps / lines);
+      if (steps == 0) cs::prefetch_kv<3>(kbase + nx, vbase + nx, a.tokens[c0 + p + 1] * d), pf.left = 0;
+    }
     const float* kc = nullptr;
     const float* vc = nullptr;
     if constexpr (kPairs<T>) {
@@ -190,7 +193,7 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
         const vf mo = cs::load(mr + o), mn = cs::vmax(mo, mx);
         vf sum{};
         if constexpr (kPairs<T>) {
-          sum = exp_pairs<MB>(st, nt, o, mn, w.pp.data());
+          sum = exp_pairs<MB>(st, nt, o, mn, w.pp.data(), pf);
         } else {
           for (int64_t t = 0; t < nt; ++t) {
             const vf e = cs::vexp(cs::load(st + t * MB + o) - mn);

@@ -67,9 +67,9 @@ inline void prefetch_kv(const T* k, const T* v, int64_t n) {
   }
 }
 
-// Lines of the next chunk's K and V still to prefetch, one pair every `every` steps of the score loops: a burst of
-// a whole chunk's prefetches at once left most of it unfetched (fp32 GQA at full sharing, K/V cold: 1.55 ms
-// against 1.45 ms spread).
+// Lines of the next chunk's K and V still to prefetch, one of each every `every` steps of a loop (`step()` once a step;
+// lines beyond the loop's steps are left to the hardware): a burst of a whole chunk's prefetches at once left most
+// of it unfetched (fp32 GQA at full sharing, K/V cold: 1.55 ms against 1.45 ms spread).
 struct Spread {
   const char* k = nullptr;
   const char* v = nullptr;
