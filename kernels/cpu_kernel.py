@@ -37,6 +37,15 @@ SOURCES = (CSRC / "decode_cpu.cpp", CSRC / "run_cpu.cpp")  # one library; header
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_GROUP, MAX_CHUNK, MAX_HEAD_DIM = 32, 256, 256  # the kernel's stack tiles (see the source)
+# cs_run_attention's return codes (csrc/run_cpu.cpp)
+RUN_ERRORS = {
+    -1: "unsupported head dim, chunk size, split count, group or scale",
+    -2: "split runs without their scratch",
+    -3: "unsupported KV dtype",
+    -4: "accumulate without one slot",
+    -5: "causal runs outside the AMX path",
+    -6: "bf16 output with accumulate, or a bf16 q with a head dim over MAX_HEAD_DIM",
+}
 MIN_SPLIT_TOKENS = 256  # a split of a row's keys is at least this many tokens
 SERIAL_ELEMENTS = 1 << 19  # K elements (upper bound) below which one thread does the call (~2 MB fp32)
 
@@ -260,9 +269,10 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
             and (part_o.dtype == torch.float32 or out_bf16) and part_lse.dtype == torch.float32):
         raise ValueError("part_o / part_lse must be contiguous fp32 [S >= runs, b, Hkv, g, D] / [S, b, Hkv, g] "
                          "(part_o may be bf16 without accumulate)")
-    # the kernel reads a contiguous fp32 or bf16 q as it lies, scaling it as it reads it (kRawQ; kQBf16)
-    raw = q4.is_contiguous() and q4.dtype in (torch.float32, torch.bfloat16) and d <= MAX_HEAD_DIM
-    qs = q4 if raw else torch.mul(q4, scale, out=ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device))
+    # the kernel reads a contiguous fp32 or bf16 q as it lies, scaling it as it reads it (kRawQ; kQBf16); other q
+    # are converted exactly, then scaled in fp32
+    raw = q4.is_contiguous() and (q4.dtype == torch.float32 or (q4.dtype == torch.bfloat16 and d <= MAX_HEAD_DIM))
+    qs = q4 if raw else ws.take("cpuk_q", (b, hkv, g, d), torch.float32, q4.device).copy_(q4).mul_(scale)
     threads, nsplit, mmax = run_launch_params(table, hkv, g, d, c)
     so = slse = None
     if nsplit > 1:
@@ -277,7 +287,8 @@ def run_attention(kern: CpuDecodeKernel, q4: torch.Tensor, k_pool_l: torch.Tenso
                     | 16 * int(out_bf16),
                     scale, None if table.qpos is None else table.qpos.data_ptr())
     if rc != 0:
-        raise RuntimeError(f"cs_run_attention failed with code {rc} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")
+        why = RUN_ERRORS.get(rc, "unknown code")
+        raise RuntimeError(f"cs_run_attention failed with code {rc}: {why} (runs={n_runs} Hkv={hkv} g={g} D={d} c={c})")
 
 
 def run_launch_params(table: RunTable, hkv: int, g: int, d: int, c: int) -> tuple[int, int, int]:

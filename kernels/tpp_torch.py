@@ -5,7 +5,8 @@ GQA heads of each kv head packed into rows (``[Hkv, (j-i)*g, D]``), attend the r
 On CPUs every run goes through one call of the in-place kernel (``cpu_kernel.run_attention``:
 register-tiled, each key loaded once per run); elsewhere each run is one batched ATen call over a
 view of the pool (consecutive chunk ids) or a gather. The partial (o, lse) in fp32 goes to one slot
-of a partial stack (rows ``[i, j)`` of slot ``r``).
+of a partial stack (rows ``[i, j)`` of slot ``r``); at full sharing (one run over every row, nothing private)
+that partial is the answer, and the CPU kernel reads an fp32 or bf16 q and writes ``out`` in q's dtype as they lie.
 
 Phase 2 (sequence-first): the private chunks of all rows are attended position group by position
 group (``torch_ops.dense_chunk_pass``), one more slot per group; then every row merges its slots
@@ -117,7 +118,8 @@ def tpp_decode_torch(
     dev = q_sorted.device
     ws = workspace or Workspace()
     table, tokens, counts = memo_private_table(ctx, ws)
-    kern = inplace_kernel(q_sorted.view(b, hkv, g, d), k_pool_l, inplace)
+    q4 = q_sorted.view(b, hkv, g, d)  # splits one dim: a view of any q
+    kern = inplace_kernel(q4, k_pool_l, inplace)
     if kern is not None:
         group = 0  # unused: the kernel covers every private chunk of a row in one slot
         slots = ctx.num_runs + (1 if max(counts, default=0) else 0)
@@ -126,13 +128,15 @@ def tpp_decode_torch(
         slots = ctx.num_runs + num_groups(counts, group)
     # one shared run over every row and nothing private (full sharing): its partial is the answer
     only_run = slots == 1 and ctx.num_runs == 1 and ctx.runs_host[0][1] - ctx.runs_host[0][0] == b
-    runs_kernel = kern is not None and ctx.num_runs > 0 and kern.supports_runs(q_sorted.view(b, hkv, g, d), k_pool_l)
+    runs_kernel = kern is not None and ctx.num_runs > 0 and kern.supports_runs(q4, k_pool_l)
     if only_run and runs_kernel and _direct(q_sorted, out):  # the kernel reads q and writes the answer as they lie
         res = out if out is not None else torch.empty_like(q_sorted)
-        run_attention(kern, q_sorted.view(b, hkv, g, d), k_pool_l, v_pool_l, memo_run_table(ctx, ws), scale,
-                      res.view(1, b, hkv, g, d), ws.take("part_lse", (1, b, hkv, g), torch.float32, dev), ws)
+        run_attention(kern, q4, k_pool_l, v_pool_l, memo_run_table(ctx, ws), scale, res.view(1, b, hkv, g, d),
+                      ws.take("part_lse", (1, b, hkv, g), torch.float32, dev), ws)
         return res
-    qf = q_sorted if q_sorted.dtype == torch.float32 else ws.take("tpp_qf", (b, hq, d), torch.float32, dev).copy_(q_sorted)
+    qf = q_sorted
+    if q_sorted.dtype != torch.float32:
+        qf = ws.take("tpp_qf", (b, hq, d), torch.float32, dev).copy_(q_sorted)
     if kern is not None and ctx.num_runs == 0:  # nothing shared: one in-place pass is the answer
         res = ws.take("res", (b, hkv, g, d), torch.float32, dev)
         kern(qf.view(b, hkv, g, d), k_pool_l, v_pool_l, table, tokens, scale, res, None, ws)
@@ -176,8 +180,10 @@ def tpp_decode_torch(
 
 def _direct(q: torch.Tensor, out: torch.Tensor | None) -> bool:
     """Whether the phase-1 kernel can read ``q`` and write ``out`` (or a new tensor like q) as they lie: fp32 or
-    bf16, contiguous, and ``out`` is not q (the kernel reads q rows while it writes finished ones)."""
+    bf16, contiguous, on q's device, and ``out`` in storage of its own (an out over q's storage at other offsets
+    could be written before the items that read those q rows have read them)."""
     if q.dtype not in (torch.float32, torch.bfloat16) or not q.is_contiguous():
         return False
     return out is None or (out.dtype == q.dtype and out.is_contiguous() and out.shape == q.shape
-                           and out.data_ptr() != q.data_ptr())
+                           and out.device == q.device
+                           and out.untyped_storage().data_ptr() != q.untyped_storage().data_ptr())

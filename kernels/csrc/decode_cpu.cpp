@@ -263,10 +263,10 @@ struct CsLayerPlan {
   int64_t has_private;
 };
 
-int cs_run_attention(const float* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
+int cs_run_attention(const void* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
                      const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
                      int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,
-                     int64_t mmax, float* so, float* slse, float* o, float* lse, int nthreads, int64_t flags,
+                     int64_t mmax, float* so, float* slse, void* o, float* lse, int nthreads, int64_t flags,
                      float qscale, const int32_t* qpos);
 
 // q: [b, hkv*g, d] rows of stride ldq; k, v: [>= rows, hkv, d] rows of stride ldk / ldv (head stride d);

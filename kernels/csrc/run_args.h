@@ -36,6 +36,8 @@ constexpr int64_t kAccumulate = 2;  // merge into (o, lse) of slot 0 instead of 
 constexpr int64_t kRawQ = 4;        // q arrives unscaled: multiplied by qscale as it is read (the same product)
 constexpr int64_t kQBf16 = 8;       // q is bf16: each row converted to fp32 as it is read (exact)
 constexpr int64_t kOutBf16 = 16;    // o is bf16 (not with kAccumulate): a bf16 model's output without an fp32 copy
+constexpr int64_t kQBufMax = 256;   // head dims a bf16 q may have (a row is converted on the stack; cpu_kernel.py's
+                                    // MAX_HEAD_DIM)
 
 inline float qpre(const RunArgs& a) { return (a.flags & kRawQ) ? a.qscale : 1.f; }
 

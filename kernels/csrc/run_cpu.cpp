@@ -7,7 +7,7 @@
 // Inside an item, per chunk: scores S^T [t, rows] = K Q^T by a 4-key x 2-vector register tile over
 // rows pre-transposed to Q^T [D, rows], which also keeps each row's max as it stores the scores; online
 // softmax vectorised across rows (one exp per score); then O [rows, D] += P V by a 4-row x 2-vector tile
-// (fp32 tiles prefetch the next chunk meanwhile). Only valid token slots are read.
+// (fp32 tiles and bf16 pairs prefetch the next chunk meanwhile). Only valid token slots are read.
 // Output, per run r: normalised o in slot r of [R, b, Hkv, g, D] and lse in [R, b, Hkv, g] (rows
 // [i, j) only; other rows of the slot are left untouched), or with kOneSlot all in slot 0 (runs over
 // disjoint rows: a prefill step's tokens). With kAccumulate (one slot only) a row's partial is merged by
@@ -31,9 +31,8 @@
 namespace {
 
 using cs::kW, cs::vf;
-using cs_run::finish_item, cs_run::kAccumulate, cs_run::kOneSlot, cs_run::kOutBf16, cs_run::kQBf16, cs_run::kRawQ,
+using cs_run::finish_item, cs_run::kAccumulate, cs_run::kQBufMax, cs_run::kOneSlot, cs_run::kOutBf16, cs_run::kQBf16, cs_run::kRawQ,
     cs_run::merge, cs_run::qpre, cs_run::qrow, cs_run::RunArgs;
-constexpr int64_t kQBufMax = 256;  // head dims a bf16 q may have (a row converted on the stack)
 using cs_dp::exp_pairs, cs_dp::pack_values, cs_dp::pv_pairs, cs_dp::scores_rows;
 using cs_tiles::pv, cs_tiles::scores, cs_tiles::Tile;
 
@@ -46,6 +45,10 @@ template <typename T> constexpr bool kPairs = false;
 // their tiles: 16 accumulators for 2-vector row blocks, 12 for 3; key tiles that divide a 64-token chunk
 template <int NV> constexpr int kPairKU = NV == 3 ? 4 : 8;
 template <int NV> constexpr int kPairRU = NV == 3 ? 6 : 8;
+// The softmax's vectors for a block of `rows` rows in the pair path: those of every P@V row tile that holds them.
+template <int NV> constexpr int64_t pair_vectors(int64_t rows) {
+  return ((rows + kPairRU<NV> - 1) / kPairRU<NV> * kPairRU<NV> + kW - 1) / kW;
+}
 
 template <typename T>
 const float* as_f32(const T* src, int64_t n, std::vector<float>& buf) {
@@ -152,18 +155,23 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
     const int64_t nt = a.tokens[c0 + p];
     if (nt <= 0) continue;
     const int64_t ch = a.chunks[c0 + p];
-    // the next chunk's K and V into L1 as this chunk runs (the tiles read them where they lie; a burst at the chunk's
-    // start left most of it unfetched): spread over the head-dim steps of the fp32 score tile, or over the bf16 pairs'
-    // softmax (a vector of two keys' probabilities a step), each the placement that measured fastest for its path
+    // the next chunk's K and V into L1 as this chunk runs (fp32 tiles and bf16 pairs read them where they lie; a
+    // burst at the chunk's start left most of it unfetched): spread over the head-dim steps of the fp32 score tile,
+    // or over the bf16 pairs' softmax (a vector of two keys' probabilities a step), each the placement that measured
+    // fastest for its path (the paths that convert a chunk first, fp16 and bf16 without vdpbf16ps, were not measured)
     cs::Spread pf;
-    if (p + 1 < p1) {
-      const int64_t nx = a.chunks[c0 + p + 1] * a.cs;
-      const int64_t steps = kPairs<T> ? nrb * (MB / kW) * ((nt + 1) / 2) : nrb * (nt / Tile<NV>::KU) * d;
-      const int64_t lines = (a.tokens[c0 + p + 1] * d * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-      pf.k = reinterpret_cast<const char*>(kbase + nx), pf.v = reinterpret_cast<const char*>(vbase + nx);
-      pf.left = lines, pf.every = std::max<int64_t>(1, steps / lines);
-      if (steps == 0) cs::prefetch_kv<3>(kbase + nx, vbase + nx, a.tokens[c0 + p + 1] * d), pf.left = 0;
-    }
+    if constexpr (std::is_same_v<T, float> || kPairs<T>)
+      if (p + 1 < p1 && a.tokens[c0 + p + 1] > 0) {
+        const int64_t nx = a.chunks[c0 + p + 1] * a.cs;
+        int64_t steps = 0;
+        for (int64_t rb = 0; rb < nrb; ++rb)  // the softmax's vectors per row block (as in the loop below)
+          steps += kPairs<T> ? pair_vectors<NV>(std::min<int64_t>(MB, M - rb * MB)) * ((nt + 1) / 2)
+                             : (nt / Tile<NV>::KU) * d;
+        const int64_t lines = (a.tokens[c0 + p + 1] * d * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+        pf.k = reinterpret_cast<const char*>(kbase + nx), pf.v = reinterpret_cast<const char*>(vbase + nx);
+        pf.left = lines, pf.every = std::max<int64_t>(1, steps / lines);
+        if (steps == 0) cs::prefetch_kv<3>(kbase + nx, vbase + nx, a.tokens[c0 + p + 1] * d), pf.left = 0;
+      }
     const float* kc = nullptr;
     const float* vc = nullptr;
     if constexpr (kPairs<T>) {
@@ -177,7 +185,7 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
       // vectors and P@V row tiles that hold them (the other lanes' m, l and acc are never written out)
       const int64_t rows = std::min<int64_t>(MB, M - rb * MB);
       const int64_t ru = kPairs<T> ? (rows + kPairRU<NV> - 1) / kPairRU<NV> * kPairRU<NV> : MB;
-      const int64_t nvu = (ru + kW - 1) / kW;  // the softmax's vectors: every P@V row tile's probabilities
+      const int64_t nvu = kPairs<T> ? pair_vectors<NV>(rows) : MB / kW;  // every P@V row tile's probabilities
       if constexpr (kPairs<T>)
         scores_rows<MB, kPairKU<NV>>(rows, qp + rb * d / 2 * MB, reinterpret_cast<const uint16_t*>(kbase + ch * a.cs),
                                       nt, d, a.qscale, st, rmax);
@@ -281,7 +289,7 @@ int cs_run_amx(int64_t d) {
 // dtype: 0 fp32, 1 bf16, 2 fp16; flags: kOneSlot (1) writes every run into slot 0, kAccumulate (2, with
 // kOneSlot) merges into the (o, lse) there; q arrives multiplied by qscale (> 0), or unscaled with kRawQ (4); q is bf16
 // with kQBf16 (8), o is bf16 with kOutBf16 (16, not with kAccumulate). Returns 0, or a negative code for unsupported
-// arguments.
+// arguments (cpu_kernel.py's RUN_ERRORS says what each means).
 int cs_run_attention(const void* q, const void* k, const void* v, int64_t hs, int64_t cs, int dtype,
                      const int32_t* rows, const int32_t* cptr, const int32_t* chunks, const int32_t* tokens,
                      int64_t R, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t c, int64_t nsplit,

@@ -117,6 +117,45 @@ def test_one_long_run_with_few_heads_is_split_and_merged_exactly(check, threads,
     assert check.rel_err(part_o[0, :, 0].reshape(-1, d), ref) < 1e-5
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_bf16_q_and_output_are_read_and_written_as_fp32_ones_rounded(split, monkeypatch):
+    """A bf16 q read as it lies and a bf16 output written by the kernel (kQBf16, kOutBf16) give the bits of the fp32
+    call over the same q with its output rounded by torch, on one item per head and with the run's chunks split and
+    merged."""
+    if split:
+        monkeypatch.setattr(cpu_kernel, "SERIAL_ELEMENTS", 0)  # a call this small would run on one thread, unsplit
+    gen = torch.Generator().manual_seed(5)
+    b, hkv, g, d, c = 4, 1, 3, 64, 16
+    k_pool, v_pool = _pools(gen, hkv, 80, c, d, torch.bfloat16)
+    chunks = tuple(torch.randperm(80, generator=gen)[:64].tolist())  # long enough to be split
+    tokens = (c,) * 63 + (5,)
+    _fill(gen, k_pool, v_pool, list(chunks), list(tokens))
+    table = RunTable.build([(0, b)], [chunks], [tokens])
+    q = torch.randn(b, hkv, g, d, generator=gen).to(torch.bfloat16)
+    kern = cpu_kernel.load_cpu_kernel()
+    outs = {}
+    for name, qq, dtype in (("fp32", q.float(), torch.float32), ("bf16", q, torch.bfloat16)):
+        o, lse = torch.full((1, b, hkv, g, d), float("nan"), dtype=dtype), torch.empty(1, b, hkv, g)
+        ws = Workspace()
+        with torch_threads(2):
+            run_attention(kern, qq, k_pool, v_pool, table, d**-0.5, o, lse, ws)
+        assert ("cpuk_run_so" in ws._bufs) == split  # the run was split (and merged) only where asked
+        outs[name] = (o, lse)
+    assert torch.equal(outs["bf16"][0], outs["fp32"][0].to(torch.bfloat16))
+    assert torch.equal(outs["bf16"][1], outs["fp32"][1])
+
+
+def test_bf16_output_refuses_accumulate():
+    gen = torch.Generator().manual_seed(6)
+    k_pool, v_pool = _pools(gen, 1, 4, 16, 64, torch.bfloat16)
+    table = RunTable.build([(0, 2)], [(0, 1)], [(16, 16)])
+    q = torch.randn(2, 1, 1, 64, generator=gen)
+    o, lse = torch.zeros(1, 2, 1, 1, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 1, 1)
+    with pytest.raises(ValueError, match="bf16 without accumulate"):
+        run_attention(cpu_kernel.load_cpu_kernel(), q, k_pool, v_pool, table, 0.125, o, lse, Workspace(),
+                      one_slot=True, accumulate=True)
+
+
 def test_head_dim_that_is_not_a_multiple_of_the_vector_width_is_not_offered_to_the_kernel():
     kern = cpu_kernel.load_cpu_kernel()
     d = kern.vector_width + 2
