@@ -129,7 +129,7 @@ def tpp_decode_torch(
     # one shared run over every row and nothing private (full sharing): its partial is the answer
     only_run = slots == 1 and ctx.num_runs == 1 and ctx.runs_host[0][1] - ctx.runs_host[0][0] == b
     runs_kernel = kern is not None and ctx.num_runs > 0 and kern.supports_runs(q4, k_pool_l)
-    if only_run and runs_kernel and _direct(q_sorted, out):  # the kernel reads q and writes the answer as they lie
+    if only_run and runs_kernel and kern is not None and _direct(q_sorted, out):  # the kernel reads q, writes out
         res = out if out is not None else torch.empty_like(q_sorted)
         run_attention(kern, q4, k_pool_l, v_pool_l, memo_run_table(ctx, ws), scale, res.view(1, b, hkv, g, d),
                       ws.take("part_lse", (1, b, hkv, g), torch.float32, dev), ws)
