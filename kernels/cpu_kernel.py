@@ -43,7 +43,7 @@ RUN_ERRORS = {
     -2: "split runs without their scratch",
     -3: "unsupported KV dtype",
     -4: "accumulate without one slot",
-    -5: "causal runs outside the AMX path",
+    -5: "causal runs split into several items",
     -6: "bf16 output with accumulate, or a bf16 q with a head dim over MAX_HEAD_DIM",
 }
 MIN_SPLIT_TOKENS = 256  # a split of a row's keys is at least this many tokens
@@ -144,6 +144,7 @@ class CpuDecodeKernel:
         amx.argtypes = [i64]
         amx.restype = ctypes.c_int
         self._amx = amx
+        self.bf16_pairs = bool(lib.cs_run_bf16_pairs())  # bf16 runs multiply pairs with vdpbf16ps (csrc/run_bf16.h)
 
     def amx_tiles(self, head_dim: int) -> bool:
         """Whether bf16 shared runs (phase 1, and prefill over cached chunks) of this head dim run on AMX tiles

@@ -13,6 +13,9 @@
 // disjoint rows: a prefill step's tokens). With kAccumulate (one slot only) a row's partial is merged by
 // log-sum-exp into the normalised (o, lse) already there instead of overwriting it, so a caller that holds
 // another partial of the same rows needs no scratch and no separate merge. Splits are merged likewise.
+// Causal runs (qpos; a prefill step's pieces of a request's tokens, one split): row x sees only the run's keys
+// before qpos + x / g + 1; the kernel masks the chunk where that limit falls in a row block and skips the chunks no
+// row of the block sees (the AMX tiles mask in run_amx.h).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -115,6 +118,32 @@ void run_item_amx(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w)
 }
 #endif
 
+// Causal runs: in a chunk's scores st [nt, MB], key t of row x (x < rows) counts only below seen(x); the others
+// become -inf and each computed row's max (rmax, lanes < lanes) is taken again over the keys it sees.
+template <class Seen>
+void mask_scores(float* st, float* rmax, int64_t nt, int64_t rows, int64_t lanes, int64_t MB, Seen seen) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t x = 0; x < lanes; ++x) {
+    const int64_t cut = x < rows ? std::clamp<int64_t>(seen(x), 0, nt) : nt;
+    float mx = ninf;
+    for (int64_t t = 0; t < cut; ++t) mx = std::max(mx, st[t * MB + x]);
+    for (int64_t t = cut; t < nt; ++t) st[t * MB + x] = ninf;
+    if (x < rows) rmax[x] = mx;
+  }
+}
+
+// The bf16 pair path's probabilities of the keys a row does not see are exp(-100) (exp16 clamps its argument), not
+// 0: zero them in pp [ceil(nt / 2), MB] (key 2s in the low half of pair s, 2s + 1 in the high half), for the n rows
+// of column o.
+template <class Seen>
+void unmask_pairs(uint32_t* pp, int64_t nt, int64_t o, int64_t n, int64_t MB, Seen seen) {
+  for (int64_t x = 0; x < n; ++x)
+    for (int64_t t = std::clamp<int64_t>(seen(x), 0, nt); t < nt; ++t) {
+      uint32_t& w = pp[(t / 2) * MB + o + x];
+      w &= (t % 2) ? 0x0000ffffu : 0xffff0000u;
+    }
+}
+
 template <typename T, int NV>
 void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
 #ifdef CS_RUN_AMX
@@ -151,9 +180,15 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
   const int64_t cps = (P + a.nsplit - 1) / a.nsplit, p0 = s * cps, p1 = std::min(P, p0 + cps);
   const T* kbase = static_cast<const T*>(a.k) + h * a.hs;
   const T* vbase = static_cast<const T*>(a.v) + h * a.hs;
-  for (int64_t p = p0; p < p1; ++p) {
+  // causal runs (qpos, one split): row x sees the run's keys before lim(x) = qpos + x / g + 1; kofs counts the keys
+  // of the chunks before this one
+  const bool causal = a.qpos != nullptr;
+  auto lim = [&](int64_t x) { return a.qpos[r] + x / a.g + 1; };
+  int64_t kofs = 0;
+  for (int64_t p = p0; p < p1; kofs += a.tokens[c0 + p], ++p) {
     const int64_t nt = a.tokens[c0 + p];
     if (nt <= 0) continue;
+    if (causal && kofs >= lim(M - 1)) break;  // no row sees this chunk or any after it
     const int64_t ch = a.chunks[c0 + p];
     // the next chunk's K and V into L1 as this chunk runs (fp32 tiles and bf16 pairs read them where they lie; a
     // burst at the chunk's start left most of it unfetched): spread over the head-dim steps of the fp32 score tile,
@@ -186,11 +221,14 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
       const int64_t rows = std::min<int64_t>(MB, M - rb * MB);
       const int64_t ru = kPairs<T> ? (rows + kPairRU<NV> - 1) / kPairRU<NV> * kPairRU<NV> : MB;
       const int64_t nvu = kPairs<T> ? pair_vectors<NV>(rows) : MB / kW;  // every P@V row tile's probabilities
+      if (causal && kofs >= lim(rb * MB + rows - 1)) continue;  // no row of the block sees this chunk
       if constexpr (kPairs<T>)
         scores_rows<MB, kPairKU<NV>>(rows, qp + rb * d / 2 * MB, reinterpret_cast<const uint16_t*>(kbase + ch * a.cs),
                                       nt, d, a.qscale, st, rmax);
       else
         scores<NV>(qt + rb * d * MB, kc, nt, d, st, rmax, pf);
+      const bool masked = causal && kofs + nt > lim(rb * MB);  // some row of the block sees only part of the chunk
+      if (masked) mask_scores(st, rmax, nt, rows, nvu * kW, MB, [&](int64_t x) { return lim(rb * MB + x) - kofs; });
       float* mr = m + rb * MB;
       float* lr = l + rb * MB;
       float* ar = acc + rb * MB * d;
@@ -202,6 +240,9 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
         vf sum{};
         if constexpr (kPairs<T>) {
           sum = exp_pairs<MB>(st, nt, o, mn, w.pp.data(), pf);
+          if (masked) unmask_pairs(w.pp.data(), nt, o, std::min<int64_t>(kW, rows - o), MB, [&](int64_t x) {
+            return lim(rb * MB + o + x) - kofs;
+          });
         } else {
           for (int64_t t = 0; t < nt; ++t) {
             const vf e = cs::vexp(cs::load(st + t * MB + o) - mn);
@@ -286,6 +327,9 @@ int cs_run_amx(int64_t d) {
 #endif
 }
 
+// 1 where bf16 runs multiply bf16 pairs with vdpbf16ps (compiled in: AVX512-BF16).
+int cs_run_bf16_pairs() { return kPairs<cs::Bf16> ? 1 : 0; }
+
 // dtype: 0 fp32, 1 bf16, 2 fp16; flags: kOneSlot (1) writes every run into slot 0, kAccumulate (2, with
 // kOneSlot) merges into the (o, lse) there; q arrives multiplied by qscale (> 0), or unscaled with kRawQ (4); q is bf16
 // with kQBf16 (8), o is bf16 with kOutBf16 (16, not with kAccumulate). Returns 0, or a negative code for unsupported
@@ -296,7 +340,7 @@ int cs_run_attention(const void* q, const void* k, const void* v, int64_t hs, in
                      int64_t mmax, float* so, float* slse, void* o, float* lse, int nthreads, int64_t flags,
                      float qscale, const int32_t* qpos) {
   if (d < 1 || d % kW != 0 || c < 1 || nsplit < 1 || g < 1 || !(qscale > 0.f)) return -1;
-  if (qpos != nullptr && (dtype != 1 || nsplit > 1 || !cs_run_amx(d))) return -5;  // causal runs: AMX only
+  if (qpos != nullptr && nsplit > 1) return -5;  // causal runs keep their chunks in one item
   if ((flags & kAccumulate) && !(flags & kOneSlot)) return -4;
   if (nsplit > 1 && (so == nullptr || slse == nullptr)) return -2;
   if (((flags & kOutBf16) && (flags & kAccumulate)) || ((flags & kQBf16) && d > kQBufMax)) return -6;

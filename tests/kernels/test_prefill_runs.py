@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from chunkserve.kernels.prefill import prefill_attention, prefill_torch
-from chunkserve.kernels.prefill_runs import CpuPrefillPlan, find_runs, run_kernel
+from chunkserve.kernels.prefill_runs import CpuPrefillPlan, causal_runs, find_runs, run_kernel
 from tests.kernels.test_prefill import reference
 
 C = 16
@@ -99,8 +99,8 @@ def _tree_rows(tree, c: int, fresh_len: int):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
 def test_causal_runs_mask_each_token_at_its_position_and_equal_the_block_and_own_chunk_plan(
         cache_tree, check, c: int, heads: tuple[int, int]) -> None:
-    """On AMX (bf16, d = 64): one causal run per piece of a request's tokens over all its unshared chunks,
-    pieces of several chunks (a 300-token fresh row: three pieces), a cached prefix ending mid-chunk and
+    """bf16, d = 64, on AMX tiles or vdpbf16ps pairs: one causal run per piece of a request's tokens over all its
+    unshared chunks, pieces of several chunks (a 300-token fresh row: three pieces), a cached prefix ending mid-chunk and
     NaN in every free pool slot, against a float64 reference and the plan with block runs and own chunks."""
     from chunkserve.kernels.prefill_runs import chunk_first_prefill
 
@@ -110,8 +110,8 @@ def test_causal_runs_mask_each_token_at_its_position_and_equal_the_block_and_own
     q = torch.randn(cu[-1], hq, 64, generator=tree.gen).to(torch.bfloat16)
     pools = tree.cache.k_pool[0], tree.cache.v_pool[0]
     kern = run_kernel(q, pools[0])
-    if kern is None or not kern.amx_tiles(64):
-        pytest.skip("causal runs need the AMX path (an AMX-BF16 CPU)")
+    if kern is None or not causal_runs(kern, pools[0]):
+        pytest.skip("causal runs need AMX tiles or AVX512-BF16 pairs")
     causal = CpuPrefillPlan.build(table.tolist(), tokens.tolist(), starts, cu, c, causal=True)
     blocks = CpuPrefillPlan.build(table.tolist(), tokens.tolist(), starts, cu, c)
     assert causal.causal is not None and causal.blocks is None and blocks.causal is None
@@ -125,8 +125,9 @@ def test_causal_runs_mask_each_token_at_its_position_and_equal_the_block_and_own
     assert check.rel_err(got, old) < check.tol[torch.bfloat16]
 
 
-def test_a_causal_run_is_refused_where_it_would_not_run_on_amx_tiles(cache_tree) -> None:
-    """Causal runs exist only in the AMX path; an fp32 pool asking for one gets an error, not unmasked keys."""
+def test_causal_runs_over_an_fp32_pool_equal_the_block_and_own_chunk_plan(cache_tree, check) -> None:
+    """The planner gives fp32 pools block runs and own chunks (causal runs gained nothing there), but the kernel masks
+    causal runs on every path: over an fp32 pool they give what the block plan gives, against a float64 reference."""
     from chunkserve.kernels.prefill_runs import chunk_first_prefill
 
     tree = cache_tree(3, 2, 64, C, torch.float32, device="cpu", max_len=256)
@@ -136,6 +137,11 @@ def test_a_causal_run_is_refused_where_it_would_not_run_on_amx_tiles(cache_tree)
     kern = run_kernel(q, pools[0])
     if kern is None:
         pytest.skip("the CPU kernel is not available here")
-    plan = CpuPrefillPlan.build(table.tolist(), tokens.tolist(), starts, cu, C, causal=True)
-    with pytest.raises(RuntimeError, match="code -5"):
-        chunk_first_prefill(kern, q, *pools, plan, 0.125)
+    assert not causal_runs(kern, pools[0])
+    causal = CpuPrefillPlan.build(table.tolist(), tokens.tolist(), starts, cu, C, causal=True)
+    blocks = CpuPrefillPlan.build(table.tolist(), tokens.tolist(), starts, cu, C)
+    kvs = [tuple(x[0].transpose(0, 1) for x in tree.kv(tree.tokens[s])) for s in ids]
+    got = chunk_first_prefill(kern, q, *pools, causal, 0.125)
+    assert torch.isfinite(got).all()
+    assert check.rel_err(got, reference(q, kvs, starts, cu, 0.125)) < 1e-5
+    assert check.rel_err(got, chunk_first_prefill(kern, q, *pools, blocks, 0.125)) < 1e-5
