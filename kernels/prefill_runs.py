@@ -13,10 +13,11 @@ kernels, and its keys split in three parts, each one call for the whole step:
 * **own chunk**: each token attends its own chunk up to its own position in the in-place decode kernel (the
   causal mask is the valid-token count).
 
-Where bf16 runs go through AMX tiles (`csrc/run_amx.h`) or `vdpbf16ps` pairs (`csrc/run_bf16.h`) the block runs and
-the own chunk are one **causal run** per piece of a request's tokens instead: the piece's rows against all of the request's chunks after its shared
-run, each row masked at its own position inside the kernel, so those chunks are packed once per piece rather
-than once per chunk of new tokens, and the own chunk is matrix work too.
+Where bf16 runs go through AMX tiles (`csrc/run_amx.h`) or `vdpbf16ps` pairs (`csrc/run_bf16.h`) the block runs
+and the own chunk are one **causal run** per piece of a request's tokens instead: the piece's rows against all of
+the request's chunks after its shared run, each row masked at its own position inside the kernel, so (with AMX)
+those chunks are packed once per piece rather than once per chunk of new tokens, and the own chunk is matrix work
+too.
 
 The kernel merges each run's partial into the token's (o, lse) by log-sum-exp as it writes it. The plan (runs
 and tables) is built once per step for all layers (`PrefillTables.cpu_plan`).

@@ -132,18 +132,6 @@ void mask_scores(float* st, float* rmax, int64_t nt, int64_t rows, int64_t lanes
   }
 }
 
-// The bf16 pair path's probabilities of the keys a row does not see are exp(-100) (exp16 clamps its argument), not
-// 0: zero them in pp [ceil(nt / 2), MB] (key 2s in the low half of pair s, 2s + 1 in the high half), for the n rows
-// of column o.
-template <class Seen>
-void unmask_pairs(uint32_t* pp, int64_t nt, int64_t o, int64_t n, int64_t MB, Seen seen) {
-  for (int64_t x = 0; x < n; ++x)
-    for (int64_t t = std::clamp<int64_t>(seen(x), 0, nt); t < nt; ++t) {
-      uint32_t& w = pp[(t / 2) * MB + o + x];
-      w &= (t % 2) ? 0x0000ffffu : 0xffff0000u;
-    }
-}
-
 template <typename T, int NV>
 void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
 #ifdef CS_RUN_AMX
@@ -239,10 +227,8 @@ void run_item(const RunArgs& a, int64_t r, int64_t h, int64_t s, Scratch& w) {
         const vf mo = cs::load(mr + o), mn = cs::vmax(mo, mx);
         vf sum{};
         if constexpr (kPairs<T>) {
+          // masked keys: exp16 gives 2^-144 or so, which the bf16 conversion (DAZ) makes exactly 0
           sum = exp_pairs<MB>(st, nt, o, mn, w.pp.data(), pf);
-          if (masked) unmask_pairs(w.pp.data(), nt, o, std::min<int64_t>(kW, rows - o), MB, [&](int64_t x) {
-            return lim(rb * MB + o + x) - kofs;
-          });
         } else {
           for (int64_t t = 0; t < nt; ++t) {
             const vf e = cs::vexp(cs::load(st + t * MB + o) - mn);
