@@ -86,6 +86,7 @@ def test_block_linear_matches_the_dequantised_matmul_up_to_int8_activation_round
     (Q4Weight, torch.float32, 9),
     (Q8Weight, torch.bfloat16, 16),  # Q8_0 with AVX512-VNNI: two groups side by side, tiles of 8 + 8 rows
     (Q8Weight, torch.float32, 29),  # tiles of 10, 10 and 9 rows
+    (Q8Weight, torch.bfloat16, 61),  # from 48 rows four groups at a time, tiles of 6 and 5 rows
     (Q4Weight, torch.bfloat16, 29),  # Q4_1 wide tiles of at most 8 rows: 8, 7, 7, 7
     (B16Weight, torch.bfloat16, 11),  # bf16 weights: one narrow tile of 11 rows (8 outputs in the lanes)
     (B16Weight, torch.bfloat16, 16),  # one wide tile (16 rows in the lanes): the same bits as a row alone

@@ -57,6 +57,7 @@ struct Args {
   const int32_t* xw;  // Q8_0 / Q4_1 with the wide tiles (qwide.h): xq interleaved tile by tile, or null
   const float* xat;  // ... and xa, and per block -128 * sum(q) (Q8_0) or the bits of a * sum(q) (Q4_1), likewise
   const int32_t* xot;
+  int qmost;  // the wide tiles' rows at most (q_tile_max); Q8_0 four groups at a time when it is kQ8QuadTile
   void* y;
   int ydtype;  // 0 fp32, 1 bf16
   int64_t ldy;
@@ -158,12 +159,19 @@ void group_range_b16(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t 
 #endif
 
 #if CS_Q_WIDE
-// Q8_0 / Q4_1 over interleaved rows: pairs of groups in the wide tiles; returns the group left over (g1 when none).
+// Q8_0 / Q4_1 over interleaved rows: Q8_0 four groups at a time, then pairs of groups in the wide tiles; returns the
+// group left over (g1 when none).
 int64_t group_range_qw(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  float out[kQ8Tile * 2 * kGroup];
+  constexpr int64_t kOut = kQ8QuadTile * 4 > kQ8Tile * 2 ? kQ8QuadTile * 4 : kQ8Tile * 2;
+  float out[kOut * kGroup];
   const int64_t nb = g.K / kBlock, bytes = nb * (g.wtype == 1 ? kQ8Bytes : kQ4Bytes);
+  for (; g.wtype == 1 && g.qmost == kQ8QuadTile && g0 + 3 < g1; g0 += 4)
+    q8_quad_tiles(g.pw + g0 * bytes, bytes, nb, g.xw, g.xat, g.xot, m0, m1, out, [&](int64_t m, int mt) {
+      store_tile(g, g0 * kGroup, 2 * kGroup, m, mt, out, 4 * kGroup);
+      store_tile(g, (g0 + 2) * kGroup, 2 * kGroup, m, mt, out + 2 * kGroup, 4 * kGroup);
+    });
   for (; g0 + 1 < g1; g0 += 2)
-    q_wide_tiles(g.wtype, g.pw + g0 * bytes, g.pw + (g0 + 1) * bytes, nb, g.xw, g.xat, g.xot, m0, m1, out,
+    q_wide_tiles(g.wtype, g.pw + g0 * bytes, g.pw + (g0 + 1) * bytes, nb, g.xw, g.xat, g.xot, m0, m1, g.qmost, out,
                  [&](int64_t m, int mt) { store_tile(g, g0 * kGroup, 2 * kGroup, m, mt, out, 2 * kGroup); });
   return g0;
 }
@@ -258,7 +266,7 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
 #else
   bool interleave = false;
 #endif
-  Args g{w->wtype, static_cast<const uint8_t*>(w->packed), N, K, M, xq, xb, xi, xa, xs, nullptr, nullptr, nullptr,
+  Args g{w->wtype, static_cast<const uint8_t*>(w->packed), N, K, M, xq, xb, xi, xa, xs, nullptr, nullptr, nullptr, 0,
          y, w->ydtype, ldy, w->bias, accumulate != 0};
 #if CS_Q_WIDE
   thread_local std::vector<int32_t> wbuf;  // the wide tiles (qwide.h): the interleaved words, then the offsets
@@ -266,7 +274,7 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   float* xat = fbuf.data() + 2 * M * nb;
   if (w->wtype != 2 && q_wide_for(M, N, K)) {
     if (static_cast<int64_t>(wbuf.size()) < M * K / 4 + M * nb) wbuf.resize(M * K / 4 + M * nb);
-    g.xw = xw = wbuf.data(), g.xot = xot = wbuf.data() + M * K / 4, g.xat = xat;
+    g.xw = xw = wbuf.data(), g.xot = xot = wbuf.data() + M * K / 4, g.xat = xat, g.qmost = q_tile_max(w->wtype, M);
     interleave = true;
   }
 #endif
@@ -324,7 +332,8 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
     const int64_t pieces = units < 4 * nthreads ? units : 4 * nthreads;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t q = 0; q < pieces; ++q) {
-      const int64_t u0 = units * q / pieces, u1 = units * (q + 1) / pieces;
+      // piece bounds on multiples of 4 groups (the Q8_0 tiles' width), the last at the end
+      const int64_t u0 = units * q / pieces / 4 * 4, u1 = q + 1 == pieces ? units : units * (q + 1) / pieces / 4 * 4;
       for (int64_t m0 = 0; m0 < M; m0 += kTileM) group_range(g, u0, u1, m0, m0 + kTileM < M ? m0 + kTileM : M);
     }
     if (rope_cols > 0) {
