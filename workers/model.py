@@ -241,8 +241,12 @@ class CausalLM:
         return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        """Run all layers over T flattened tokens; returns the final-normed hidden states [T, H].
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Run all layers over T flattened tokens; returns the final-normed hidden states [T, H], or only the
+        rows ``keep`` ([n] indices, in that order) when given. With block-quantised layers (row-invariant calls)
+        the last layer then runs its o-projection and MLP on those rows alone: every row's K and V are written
+        before, and no later layer reads the others (a prompt piece that samples nothing skips them entirely).
 
         Positions are range-checked when they are on the CPU (no device sync otherwise; an out-of-range
         index then fails inside index_select). Everything per step (RoPE factors, the matmul set for
@@ -260,7 +264,7 @@ class CausalLM:
         if progs is not None and self.step_programs:
             h = progs.forward(attn, self.embed, self._cos, self._sin, input_ids, positions)
             if h is not None:  # a decode step, every layer in one call (`workers/step_program.py`)
-                return self._rms_norm(h, self.norm)
+                return self._rms_norm(h if keep is None else h.index_select(0, keep), self.norm)
         cos, sin = self.rope_tables(positions.to(self.device))  # [T, 1, D] each
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         half, qk_size, q_size = d // 2, c.q_size + c.kv_size, c.q_size
@@ -268,15 +272,19 @@ class CausalLM:
         fns = self._fns_row if t == 1 and torch.get_num_threads() == 1 else self._fns_rows
         if self._fused:  # norms, SwiGLU and residual adds inside the kernel's calls: 4 calls + RoPE per layer
             rope = (cos, sin, qk_size)  # [T, 1, D] each: contiguous [T, D]
+            last = len(fns) - 1
             for i, (f_qkv, f_o, f_gate_up, f_down) in enumerate(fns):
                 # [T, (Hq + 2*Hkv) * D]: RMSNorm(ln1) on the way in, RoPE on the q and k heads on the way out
                 qkv = f_qkv(h, rope=rope).view(t, hq + 2 * hkv, d)
-                o = attn(i, qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:])  # [T, Hq, D]
-                f_o(o.reshape(t, q_size), h)  # h += o . W_o^T
+                o = attn(i, qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]).reshape(t, q_size)  # [T, Hq * D]
+                if i == last and keep is not None:  # the rows that sample: [n, Hq * D] and [n, H]
+                    o, h = o.index_select(0, keep), h.index_select(0, keep)
+                f_o(o, h)  # h += o . W_o^T
                 f_down(f_gate_up(h), h)  # h += SwiGLU(RMSNorm(h) . W_gu^T) . W_down^T
             return self._rms_norm(h, self.norm)
         if self._glue is not None and self.glue_layers:
-            return glued_layers(self._glue, h, self._norms, c.rms_norm_eps, fns, cos, sin, (hq, hkv, d), attn)
+            h = glued_layers(self._glue, h, self._norms, c.rms_norm_eps, fns, cos, sin, (hq, hkv, d), attn)
+            return h if keep is None else h.index_select(0, keep)
         for i, (lw, (f_qkv, f_o, f_gate_up, f_down)) in enumerate(zip(self.layers, fns, strict=True)):
             qkv = f_qkv(self._rms_norm(h, lw.ln1))  # [T, (Hq + 2*Hkv) * D]
             qk = qkv[:, :qk_size].view(t, hq + hkv, d)  # q and k heads, RoPE'd in one go
@@ -286,7 +294,7 @@ class CausalLM:
             h.add_(f_o(o.reshape(t, q_size)))
             gate, up = f_gate_up(self._rms_norm(h, lw.ln2)).chunk(2, dim=-1)  # views [T, I] x2
             h.add_(f_down(F.silu(gate, inplace=True).mul_(up)))
-        return self._rms_norm(h, self.norm)
+        return self._rms_norm(h if keep is None else h.index_select(0, keep), self.norm)
 
     __call__ = forward
 

@@ -248,11 +248,11 @@ class ModelRunner:
         self.sample_job = bind_sampler(tensors) if bind_sampler is not None else None
         attn = StepAttention(self.cache, inputs, self.decode_backend, self.prefill_backend, self.scale,
                              self.workspace, self.pools)
-        hidden = self.model.forward(inputs.t["ids"], inputs.t["pos"], attn)  # [T, H]
+        keep = inputs.t.get("sample_rows")  # [n]: the rows that sample (None: every row)
+        if not inputs.sample_reqs:
+            keep = torch.zeros(0, dtype=torch.long, device=inputs.t["ids"].device)
+        hidden = self.model.forward(inputs.t["ids"], inputs.t["pos"], attn, keep=keep)  # [n, H]
         self.tokens_computed += inputs.num_tokens
         if not inputs.sample_reqs:
             return hidden.new_zeros(0, 0, dtype=torch.float32), []
-        rows = inputs.t.get("sample_rows")
-        if rows is not None:
-            hidden = hidden.index_select(0, rows)  # [n, H]
         return self.model.compute_logits(hidden), inputs.sample_reqs

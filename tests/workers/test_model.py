@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from chunkserve.workers.config import ModelConfig, preset_config
 from chunkserve.workers.model import CausalLM, DenseCausalAttention, rope_inv_freq
+from chunkserve.workers.quant import load_kernel
 
 VOCAB = 320
 
@@ -177,3 +178,21 @@ def test_config_rejects_inconsistent_shapes() -> None:
     with pytest.raises(ValueError, match="unknown ModelConfig fields"):
         ModelConfig.from_dict({"vocab_size": 8, "hiden_size": 8})
     assert 6.6e9 < preset_config("llama-7b").num_params() < 6.8e9
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_forward_with_keep_rows_gives_the_rows_a_full_forward_gives(quant: str | None) -> None:
+    """``keep``: only the rows that sample come back; block-quantised layers run the last layer's o-projection and MLP
+    on those rows alone (row-invariant calls), so they are the same bits as the full pass's rows."""
+    cfg = dataclasses.replace(preset_config("tiny"), vocab_size=VOCAB)  # sizes of 32s: the block kernel's layers
+    ours = CausalLM.random(cfg, dtype=torch.bfloat16, seed=3, std=0.2)
+    if quant is not None:
+        ours.quantize(quant)
+        assert ours._fused or load_kernel() is None  # the fused path wherever the kernel builds
+    ids = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(8))
+    pos = torch.arange(ids.numel())
+    full = ours.forward(ids, pos, DenseCausalAttention(cfg.num_layers))
+    keep = torch.tensor([20, 3, 11])
+    got = ours.forward(ids, pos, DenseCausalAttention(cfg.num_layers), keep=keep)
+    assert got.shape == (3, cfg.hidden_size) and torch.equal(got, full.index_select(0, keep))
+    assert ours.forward(ids, pos, DenseCausalAttention(cfg.num_layers), keep=keep[:0]).shape == (0, cfg.hidden_size)
