@@ -246,7 +246,7 @@ class CausalLM:
         """Run all layers over T flattened tokens; returns the final-normed hidden states [T, H], or only the
         rows ``keep`` ([n] indices, in that order) when given. With block-quantised layers (row-invariant calls)
         the last layer then runs its o-projection and MLP on those rows alone: every row's K and V are written
-        before, and no later layer reads the others (a prompt piece that samples nothing skips them entirely).
+        before, and no later layer reads the others (a step that samples nothing skips them entirely).
 
         Positions are range-checked when they are on the CPU (no device sync otherwise; an out-of-range
         index then fails inside index_select). Everything per step (RoPE factors, the matmul set for

@@ -172,19 +172,22 @@ def test_norm_and_swiglu_prologues_are_bitwise_the_same_on_an_avx2_build(tmp_pat
 
 
 @pytest.mark.parametrize("cls", [Q8Weight, Q4Weight])
-@pytest.mark.parametrize("n", [48, 28])  # 28: the second pair of groups has 12 real outputs (the scalar store)
-def test_wide_tiles_write_bf16_outputs_with_bias_and_accumulation_as_a_row_alone_does(cls: type, n: int) -> None:
+# 28: the second pair of groups has 12 real outputs (the scalar store); from 48 rows Q8_0 takes four groups at a time:
+# 44 and 52 rows then leave a quad's second half with 12 outputs, and a pair (N 52: 7 groups) after the quad
+@pytest.mark.parametrize(("n", "rows"), [(48, 20), (28, 20), (44, 61), (52, 61)])
+def test_wide_tiles_write_bf16_outputs_with_bias_and_accumulation_as_a_row_alone_does(cls: type, n: int,
+                                                                                      rows: int) -> None:
     # the wide tiles' vector store rounds, adds the bias and accumulates as the narrow tile's scalar one
     if load_kernel() is None:
         pytest.skip("no C++ compiler: the fallback is F.linear")
     g = torch.Generator().manual_seed(11)
     fn = block_linear(cls.quantize(_weight(n, 128, 12)), torch.randn(n, generator=g).to(torch.bfloat16),
                       torch.bfloat16)
-    x = torch.randn(20, 128, generator=g).to(torch.bfloat16)
-    base = torch.randn(20, n, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 128, generator=g).to(torch.bfloat16)
+    base = torch.randn(rows, n, generator=g).to(torch.bfloat16)
     base[3, 5] = float("nan")
     got = fn(x, base.clone())
-    for i in range(20):  # bit patterns: the NaN too
+    for i in range(rows):  # bit patterns: the NaN too
         assert torch.equal(fn(x[i:i + 1], base[i:i + 1].clone())[0].view(torch.int16), got[i].view(torch.int16)), i
     assert torch.equal(fn(x)[7], fn(x[7:8])[0])
     assert bool(got[3, 5].isnan()) and int(got.isnan().sum()) == 1

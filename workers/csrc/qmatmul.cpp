@@ -330,10 +330,15 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
     // row groups in pieces taken as threads come free: a thread the OS preempts (a served engine shares its cores
     // with the event loop, ingress and proxy) holds up only the piece it holds, not a fixed share of the call
     const int64_t pieces = units < 4 * nthreads ? units : 4 * nthreads;
+#if CS_Q_WIDE
+    const int64_t align = g.qmost == kQ8QuadTile ? 4 : 1;  // the quad tiles' width: pieces of whole quads
+#else
+    const int64_t align = 1;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t q = 0; q < pieces; ++q) {
-      // piece bounds on multiples of 4 groups (the Q8_0 tiles' width), the last at the end
-      const int64_t u0 = units * q / pieces / 4 * 4, u1 = q + 1 == pieces ? units : units * (q + 1) / pieces / 4 * 4;
+      const int64_t u0 = units * q / pieces / align * align;
+      const int64_t u1 = q + 1 == pieces ? units : units * (q + 1) / pieces / align * align;
       for (int64_t m0 = 0; m0 < M; m0 += kTileM) group_range(g, u0, u1, m0, m0 + kTileM < M ? m0 + kTileM : M);
     }
     if (rope_cols > 0) {
