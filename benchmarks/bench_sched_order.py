@@ -1,9 +1,10 @@
 """Prefill order, measured on one `EngineCore` (no serving path): the scheduler's effect alone.
 
-    python benchmarks/bench_sched_order.py burst [--fcfs] [--quantum Q] [--one-tenant]
+    python benchmarks/bench_sched_order.py burst [--fcfs] [--quantum Q] [--one-tenant] [--quantization int8]
         One worker's share of the first pass of `chunkserve bench serve --tenants 4 --requests-per-tenant 8
-        --system-tokens 1000`: 2 tenants x 8 chats, all at once, embedded SmolLM2, int4, 1 thread. Prints
-        each chat's time to first token, per tenant, and the mean.
+        --system-tokens 1000`: 2 tenants x 8 chats, all at once, embedded SmolLM2, int4 (``--quantization int8``:
+        what `benchmarks/compare_llama.sh` serves), 1 thread. Prints each chat's time to first token, per tenant,
+        and the mean.
     python benchmarks/bench_sched_order.py open-loop [--fcfs] [--quantum Q] [--rate R]
         A heavy tenant at 10x a light one's rate with 537- against 141-token prompts (distinct), Poisson
         arrivals on the wall clock for 30 s (`random:tiny`, max_num_seqs 8, 256-token steps, 1 thread):
@@ -49,7 +50,7 @@ def _q(xs: list[float], p: float) -> float:
 
 
 def burst(args: argparse.Namespace) -> dict:
-    eng = EngineCore(EngineConfig(quantization="int4", num_threads=1, fair_share=not args.fcfs,
+    eng = EngineCore(EngineConfig(quantization=args.quantization, num_threads=1, fair_share=not args.fcfs,
                                   fair_quantum=args.quantum))
     spec = workload.WorkloadSpec(tenants=2, requests_per_tenant=8, system_tokens=1000, prompt_salt=args.salt)
     reqs = workload.chat_requests(spec, workload.load_counter(None))
@@ -115,6 +116,7 @@ def main() -> None:
     ap.add_argument("--quantum", type=float, default=EngineConfig().fair_quantum, help="EngineConfig.fair_quantum")
     ap.add_argument("--one-tenant", action="store_true", help="burst: every chat as tenant 'public' (open mode)")
     ap.add_argument("--salt", default="bench", help="burst: system prompt salt")
+    ap.add_argument("--quantization", choices=["int4", "int8"], default="int4", help="burst: the layers' block format")
     ap.add_argument("--rate", type=float, default=30.0, help="open-loop: requests per second")
     args = ap.parse_args()
     torch.set_num_threads(1)
