@@ -27,7 +27,7 @@ struct RunArgs {
   void* o;                 // [R, b, hkv, g, d] fp32 (bf16 with kOutBf16)
   float* lse;              // [R, b, hkv, g]
   int64_t flags;           // kOneSlot | kAccumulate | kRawQ | kQBf16 | kOutBf16
-  const int32_t* qpos;     // [R] causal runs (AMX only): key index of each run's first token, else null
+  const int32_t* qpos;     // [R] causal runs (AMX tiles, bf16 pairs): key index of each run's first token, else null
   float qscale;            // the scale q was multiplied by (the bf16 pair path packs q / qscale, then scales S)
 };
 

@@ -57,7 +57,6 @@ struct Args {
   const int32_t* xw;  // Q8_0 / Q4_1 with the wide tiles (qwide.h): xq interleaved tile by tile, or null
   const float* xat;  // ... and xa, and per block -128 * sum(q) (Q8_0) or the bits of a * sum(q) (Q4_1), likewise
   const int32_t* xot;
-  int qmost;  // the wide tiles' rows at most (q_tile_max); Q8_0 four groups at a time when it is kQ8QuadTile
   void* y;
   int ydtype;  // 0 fp32, 1 bf16
   int64_t ldy;
@@ -165,13 +164,15 @@ int64_t group_range_qw(const Args& g, int64_t g0, int64_t g1, int64_t m0, int64_
   constexpr int64_t kOut = kQ8QuadTile * 4 > kQ8Tile * 2 ? kQ8QuadTile * 4 : kQ8Tile * 2;
   float out[kOut * kGroup];
   const int64_t nb = g.K / kBlock, bytes = nb * (g.wtype == 1 ? kQ8Bytes : kQ4Bytes);
-  for (; g.wtype == 1 && g.qmost == kQ8QuadTile && g0 + 3 < g1; g0 += 4)
-    q8_quad_tiles(g.pw + g0 * bytes, bytes, nb, g.xw, g.xat, g.xot, m0, m1, out, [&](int64_t m, int mt) {
-      store_tile(g, g0 * kGroup, 2 * kGroup, m, mt, out, 4 * kGroup);
-      store_tile(g, (g0 + 2) * kGroup, 2 * kGroup, m, mt, out + 2 * kGroup, 4 * kGroup);
-    });
+  const int most = q_tile_max(g.wtype, g.M);  // as the activations were interleaved
+  for (; q_quad_for(g.wtype, g.M) && g0 + 3 < g1; g0 += 4)
+    q_wide_tiles(g.wtype, 2, g.pw + g0 * bytes, bytes, nb, g.xw, g.xat, g.xot, m0, m1, most, out,
+                 [&](int64_t m, int mt) {
+                   store_tile(g, g0 * kGroup, 2 * kGroup, m, mt, out, 4 * kGroup);
+                   store_tile(g, (g0 + 2) * kGroup, 2 * kGroup, m, mt, out + 2 * kGroup, 4 * kGroup);
+                 });
   for (; g0 + 1 < g1; g0 += 2)
-    q_wide_tiles(g.wtype, g.pw + g0 * bytes, g.pw + (g0 + 1) * bytes, nb, g.xw, g.xat, g.xot, m0, m1, g.qmost, out,
+    q_wide_tiles(g.wtype, 1, g.pw + g0 * bytes, bytes, nb, g.xw, g.xat, g.xot, m0, m1, most, out,
                  [&](int64_t m, int mt) { store_tile(g, g0 * kGroup, 2 * kGroup, m, mt, out, 2 * kGroup); });
   return g0;
 }
@@ -266,7 +267,7 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
 #else
   bool interleave = false;
 #endif
-  Args g{w->wtype, static_cast<const uint8_t*>(w->packed), N, K, M, xq, xb, xi, xa, xs, nullptr, nullptr, nullptr, 0,
+  Args g{w->wtype, static_cast<const uint8_t*>(w->packed), N, K, M, xq, xb, xi, xa, xs, nullptr, nullptr, nullptr,
          y, w->ydtype, ldy, w->bias, accumulate != 0};
 #if CS_Q_WIDE
   thread_local std::vector<int32_t> wbuf;  // the wide tiles (qwide.h): the interleaved words, then the offsets
@@ -274,7 +275,7 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
   float* xat = fbuf.data() + 2 * M * nb;
   if (w->wtype != 2 && q_wide_for(M, N, K)) {
     if (static_cast<int64_t>(wbuf.size()) < M * K / 4 + M * nb) wbuf.resize(M * K / 4 + M * nb);
-    g.xw = xw = wbuf.data(), g.xot = xot = wbuf.data() + M * K / 4, g.xat = xat, g.qmost = q_tile_max(w->wtype, M);
+    g.xw = xw = wbuf.data(), g.xot = xot = wbuf.data() + M * K / 4, g.xat = xat;
     interleave = true;
   }
 #endif
@@ -331,7 +332,7 @@ int cs_q_linear(const CsQWeight* w, const void* x, int xdtype, int64_t M, int64_
     // with the event loop, ingress and proxy) holds up only the piece it holds, not a fixed share of the call
     const int64_t pieces = units < 4 * nthreads ? units : 4 * nthreads;
 #if CS_Q_WIDE
-    const int64_t align = g.qmost == kQ8QuadTile ? 4 : 1;  // the quad tiles' width: pieces of whole quads
+    const int64_t align = g.xw != nullptr && q_quad_for(g.wtype, M) ? 4 : 1;  // pieces of whole four-group tiles
 #else
     const int64_t align = 1;
 #endif

@@ -4,7 +4,7 @@
 // put two groups side by side in one 512-bit vector (16 outputs) and take up to kQ8Tile (Q8_0) or kQ4Tile (Q4_1)
 // activation rows: each weight vector is loaded (and, for Q4_1, unpacked) once for all of them, and each row is its
 // own chain. Q8_0 calls of kQuadRows rows or more (prefill) take four groups (two such vectors) x up to kQ8QuadTile
-// rows instead (`group_q8_quad`): each broadcast of a row's bytes then feeds two `vpdpbusd`.
+// rows instead (`group_q8_wide<MT, 2>`): each broadcast of a row's bytes then feeds two `vpdpbusd`.
 //
 // The activations of a tile are interleaved first (`interleave_q`): word (b * 8 + i) * mt + m holds row m's
 // 4 bytes x[32 b + 4 i .. + 3], so every broadcast sits at a constant offset from one pointer (a pointer per row
@@ -101,65 +101,42 @@ inline void q_prefetch(const uint8_t* pa, const uint8_t* pb, int64_t bytes) {
   }
 }
 
-// Q8_0 groups pa and pb (nb blocks each) x MT interleaved rows; out[m * 16 + r]: r < 8 from pa, r >= 8 from pb.
-template <int MT>
-void group_q8_wide(const uint8_t* pa, const uint8_t* pb, int64_t nb, const int32_t* xw, const float* xa,
-                   const int32_t* xo, float* out) {
-  __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, pa += kQ8WideBytes, pb += kQ8WideBytes, xw += 8 * MT, xa += MT, xo += MT) {
-    q_prefetch(pa, pb, kQ8WideBytes);
-    __m512i p[MT];
-    for (int m = 0; m < MT; ++m) p[m] = _mm512_set1_epi32(xo[m]);
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      const __m512i w = q_pair(pa + 32 * i, pb + 32 * i);
-#pragma GCC unroll 12
-      for (int m = 0; m < MT; ++m) p[m] = _mm512_dpbusd_epi32(p[m], w, _mm512_set1_epi32(xw[i * MT + m]));
-    }
-    const __m512 d = q_pair_fp16(pa + 256, pb + 256);
+// Q8_0 over NP pairs of groups (pair n: groups p + 2n gb and p + (2n + 1) gb, gb bytes a group, nb blocks each) x MT
+// interleaved rows; out[(m * NP + n) * 16 + r]: r < 8 from the pair's first group, r >= 8 from its second. With NP 2
+// (`kQ8QuadTile` rows at most) each broadcast of 4 activation bytes feeds two `vpdpbusd`, half the broadcasts of NP 1
+// per product: 415 against 356 GMAC/s for a warm tile on Zen 5. Each pair's lanes get the same arithmetic either way.
+template <int MT, int NP>
+void group_q8_wide(const uint8_t* p, int64_t gb, int64_t nb, const int32_t* xw, const float* xa, const int32_t* xo,
+                   float* out) {
+  const uint8_t* g[2 * NP];
+  for (int n = 0; n < 2 * NP; ++n) g[n] = p + n * gb;
+  __m512 acc[NP][MT];
+  for (int n = 0; n < NP; ++n)
+    for (int m = 0; m < MT; ++m) acc[n][m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, xw += 8 * MT, xa += MT, xo += MT) {
+    for (int n = 0; n < NP; ++n) q_prefetch(g[2 * n], g[2 * n + 1], kQ8WideBytes);
+    __m512i s[NP][MT];
     for (int m = 0; m < MT; ++m)
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[m]), _mm512_mul_ps(d, _mm512_set1_ps(xa[m])), acc[m]);
-  }
-  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * 16, acc[m]);
-}
-
-// Q8_0 over four groups (pa, pb | pc, pd) x MT interleaved rows; out[m * 32 + r]: r < 16 as group_q8_wide over (pa,
-// pb), r >= 16 over (pc, pd). Each broadcast of 4 activation bytes feeds two `vpdpbusd` (one a vector of weights), so
-// the tile issues half the broadcasts of the pair tile per product: 415 against 356 GMAC/s for a warm tile on Zen 5.
-// The same arithmetic lane for lane as group_q8_wide (the same bits).
-template <int MT>
-void group_q8_quad(const uint8_t* pa, const uint8_t* pb, const uint8_t* pc, const uint8_t* pd, int64_t nb,
-                   const int32_t* xw, const float* xa, const int32_t* xo, float* out) {
-  __m512 acc[MT], acc2[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, pa += kQ8WideBytes, pb += kQ8WideBytes, pc += kQ8WideBytes, pd += kQ8WideBytes,
-                              xw += 8 * MT, xa += MT, xo += MT) {
-    q_prefetch(pa, pb, kQ8WideBytes);
-    q_prefetch(pc, pd, kQ8WideBytes);
-    __m512i p[MT], p2[MT];
-    for (int m = 0; m < MT; ++m) p[m] = p2[m] = _mm512_set1_epi32(xo[m]);
+      for (int n = 0; n < NP; ++n) s[n][m] = _mm512_set1_epi32(xo[m]);
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
-      const __m512i w = q_pair(pa + 32 * i, pb + 32 * i), w2 = q_pair(pc + 32 * i, pd + 32 * i);
-#pragma GCC unroll 6
+      __m512i w[NP];
+      for (int n = 0; n < NP; ++n) w[n] = q_pair(g[2 * n] + 32 * i, g[2 * n + 1] + 32 * i);
+#pragma GCC unroll 12
       for (int m = 0; m < MT; ++m) {
         const __m512i x = _mm512_set1_epi32(xw[i * MT + m]);
-        p[m] = _mm512_dpbusd_epi32(p[m], w, x);
-        p2[m] = _mm512_dpbusd_epi32(p2[m], w2, x);
+        for (int n = 0; n < NP; ++n) s[n][m] = _mm512_dpbusd_epi32(s[n][m], w[n], x);
       }
     }
-    const __m512 d = q_pair_fp16(pa + 256, pb + 256), d2 = q_pair_fp16(pc + 256, pd + 256);
-    for (int m = 0; m < MT; ++m) {
-      const __m512 a = _mm512_set1_ps(xa[m]);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[m]), _mm512_mul_ps(d, a), acc[m]);
-      acc2[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p2[m]), _mm512_mul_ps(d2, a), acc2[m]);
+    for (int n = 0; n < NP; ++n) {
+      const __m512 d = q_pair_fp16(g[2 * n] + 256, g[2 * n + 1] + 256);
+      for (int m = 0; m < MT; ++m)
+        acc[n][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[n][m]), _mm512_mul_ps(d, _mm512_set1_ps(xa[m])), acc[n][m]);
     }
+    for (int n = 0; n < 2 * NP; ++n) g[n] += kQ8WideBytes;
   }
-  for (int m = 0; m < MT; ++m) {
-    _mm512_storeu_ps(out + m * 32, acc[m]);
-    _mm512_storeu_ps(out + m * 32 + 16, acc2[m]);
-  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NP; ++n) _mm512_storeu_ps(out + (m * NP + n) * 16, acc[n][m]);
 }
 
 // Q4_1 groups: per block the low nibbles (elements 4i..) and the high ones (16 + 4i..) in two chains, as the narrow
@@ -226,35 +203,24 @@ void with_rows(std::integer_sequence<int, MT...>, int mt, F fn) {
   ((mt == MT + 1 ? fn(std::integral_constant<int, MT + 1>{}) : void()), ...);
 }
 
-// Q8_0 groups p, p + gb, p + 2 gb, p + 3 gb (gb: bytes a group) over rows [m0, m1) of the interleaved activations:
-// each tile's outputs go to out[m * 32 + r] (m < mt), then store(m, mt) for the tile's first row m.
+// Groups p, p + gb, ... (weight type 1: Q8_0, 0: Q4_1; gb bytes a group) over rows [m0, m1) of the interleaved
+// activations, in tiles of at most `most` rows: two groups (np 1), or four (np 2: Q8_0 with `most` kQ8QuadTile).
+// Each tile's outputs go to out[m * 16 np + r] (m < mt), then store(m, mt) for the tile's first row m.
 template <class Store>
-void q8_quad_tiles(const uint8_t* p, int64_t gb, int64_t nb, const int32_t* xw, const float* xat, const int32_t* xot,
-                   int64_t m0, int64_t m1, float* out, Store store) {
-  for_q_tiles(m0, m1, kQ8QuadTile, [&](int64_t m, int mt) {
-    const int32_t *w = xw + m * nb * 8, *o = xot + m * nb;
-    const float* a = xat + m * nb;
-    with_rows(std::make_integer_sequence<int, kQ8QuadTile>{}, mt, [&](auto r) {
-      group_q8_quad<decltype(r)::value>(p, p + gb, p + 2 * gb, p + 3 * gb, nb, w, a, o, out);
-    });
-    store(m, mt);
-  });
-}
-
-// Groups pa, pb (weight type 1: Q8_0, 0: Q4_1) over rows [m0, m1) of the interleaved activations: each tile's
-// outputs go to out[m * 16 + r] (m < mt), then store(m, mt) for the tile's first row m.
-template <class Store>
-void q_wide_tiles(int wtype, const uint8_t* pa, const uint8_t* pb, int64_t nb, const int32_t* xw, const float* xat,
+void q_wide_tiles(int wtype, int np, const uint8_t* p, int64_t gb, int64_t nb, const int32_t* xw, const float* xat,
                   const int32_t* xot, int64_t m0, int64_t m1, int most, float* out, Store store) {
   for_q_tiles(m0, m1, most, [&](int64_t m, int mt) {
     const int32_t *w = xw + m * nb * 8, *o = xot + m * nb;
     const float* a = xat + m * nb;
-    if (wtype == 1) {
+    if (wtype == 1 && np == 2) {
+      with_rows(std::make_integer_sequence<int, kQ8QuadTile>{}, mt,
+                [&](auto r) { group_q8_wide<decltype(r)::value, 2>(p, gb, nb, w, a, o, out); });
+    } else if (wtype == 1) {
       with_rows(std::make_integer_sequence<int, kQ8Tile>{}, mt,
-                [&](auto r) { group_q8_wide<decltype(r)::value>(pa, pb, nb, w, a, o, out); });
+                [&](auto r) { group_q8_wide<decltype(r)::value, 1>(p, gb, nb, w, a, o, out); });
     } else {
       with_rows(std::make_integer_sequence<int, kQ4Tile>{}, mt,
-                [&](auto r) { group_q4_wide<decltype(r)::value>(pa, pb, nb, w, a, o, out); });
+                [&](auto r) { group_q4_wide<decltype(r)::value>(p, p + gb, nb, w, a, o, out); });
     }
     store(m, mt);
   });
