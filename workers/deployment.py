@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,15 @@ def _node_cores(share: int, cap: int) -> NodeCores | None:
         return None
 
 
+def replica_seed(seed: int, worker_id: str) -> int:
+    """A worker replica's sampler seed (for unseeded requests): the engine's ``seed`` mixed with the replica's id. With one seed for every
+    replica, each drew the same stream for unseeded requests, so two replicas at the same draw count gave the same
+    prompt the same sampled answer (seen: the README's request at temperature 1, sent twice, answered twice alike).
+    A request's own ``seed`` still fixes its tokens on any replica."""
+    digest = hashlib.blake2b(f"{seed}:{worker_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 class WorkerServer:
     """An engine plus its cache-event publisher; the body of a worker replica.
 
@@ -90,6 +100,8 @@ class WorkerServer:
 
             depth = max_depth or DEFAULT_MAX_DEPTH
         self.engine = AsyncEngine(cfg, hash_snapshot_depth=depth, cores=cores)
+        # before any request: EngineConfig.seed stays the random-weight seed (every replica the same model)
+        self.engine.core.sampler.reseed(replica_seed(cfg.seed, worker_id))
         self.metrics = WorkerMetrics(worker_id, enable_ray=enable_ray_metrics)
         self.routing = RoutingAccuracy(worker_id, self.engine.core.cache.chunk_size)
         self.tenant_tokens = TenantTokens()

@@ -181,6 +181,12 @@ class Sampler:
         # (slot, device) -> reused fp32 scratch: a fresh [n, V] tensor per step costs page faults on CPU
         self._scratch: dict[tuple[int, str], torch.Tensor] = {}
 
+    def reseed(self, seed: int) -> None:
+        """Start the unseeded rows' draws over from ``seed`` (seeded requests are unaffected)."""
+        self.seed = seed
+        self._base_key = _mix_int((seed & _MASK64) ^ 0x5EED)
+        self._base_draws = 0
+
     def forget(self, request_id: str) -> None:
         self._gens.pop(request_id, None)
 

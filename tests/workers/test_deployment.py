@@ -109,3 +109,19 @@ def test_a_worker_whose_engine_thread_died_fails_its_health_check_and_drops_its_
             assert "w-dies" not in index.live_workers()  # routers stop choosing it before Serve replaces it
         finally:
             server.shutdown()
+
+
+def test_replicas_draw_different_samples_for_the_same_unseeded_request_and_a_seed_fixes_them():
+    async def first(worker_id: str, seed: int | None) -> list[int]:
+        server = WorkerServer(TINY, worker_id, enable_ray_metrics=False)
+        try:
+            req = GenerateRequest("r", (3, 4, 5, 6), SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True,
+                                                                    seed=seed))
+            return [t async for d in server.generate(req) for t in d.token_ids]
+        finally:
+            server.shutdown()
+
+    a, b, a_again = (asyncio.run(first(w, None)) for w in ("w-a", "w-b", "w-a"))
+    assert len(a) == 12 and a != b  # each replica its own stream of draws
+    assert a == a_again  # a replica's stream follows from its id (and EngineConfig.seed)
+    assert asyncio.run(first("w-a", 7)) == asyncio.run(first("w-b", 7))  # a request's seed: the same on any replica
