@@ -351,9 +351,13 @@ class AsyncPrefixIndex:
             except redis.exceptions.NoScriptError:
                 if attempt:
                     raise
-                await self.client.script_load(PREFIX_LEN_LUA)
-                await self.client.script_load(PREFIX_LEN_MULTI_LUA)
+                await self.load_scripts()
         return _lookup_result(workers, results, self.cluster_mode)
+
+    async def load_scripts(self) -> None:
+        """Load the lookup scripts (every node of a Redis Cluster), so that EVALSHA finds them."""
+        await self.client.script_load(PREFIX_LEN_LUA)
+        await self.client.script_load(PREFIX_LEN_MULTI_LUA)
 
     async def ping(self) -> bool:
         return bool(await self.client.ping())

@@ -40,6 +40,10 @@ class ReaderConfig:
     retry_after_s: float = 1.0
     max_cache_entries: int = 8192
     max_inflight: int = 64
+    # connections `warm` opens ahead of traffic: a burst's concurrent lookups and claims each take one, and one
+    # opened in the burst costs its connect and handshake round trips behind the busy event loop (measured: 16
+    # opened at once in a 32-request burst, its first claim answered after 46 ms)
+    warm_connections: int = 16
 
     def __post_init__(self) -> None:
         for name in ("cache_ttl_s", "timeout_s", "retry_after_s", "claim_timeout_s"):
@@ -47,6 +51,8 @@ class ReaderConfig:
                 raise ValueError(f"ReaderConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_cache_entries < 1 or self.max_inflight < 1:
             raise ValueError("ReaderConfig.max_cache_entries and max_inflight must be >= 1")
+        if self.warm_connections < 0:
+            raise ValueError(f"ReaderConfig.warm_connections must be >= 0, got {self.warm_connections}")
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,25 @@ class CachedIndexReader:
         if not done or task.cancelled() or task.exception() is not None:
             return None
         return as_str(task.result())
+
+    async def warm(self) -> bool:
+        """Open the index ahead of traffic: ``warm_connections`` pooled connections (concurrent pings) and the
+        lookup and claim scripts loaded, so that the first burst pays no handshake and no NOSCRIPT retry.
+        False (logged at debug) when Redis does not answer: routing then opens them on demand as before."""
+        if self._factory is None:
+            return False
+        if self._index is None:
+            self._index = self._factory()
+        if self._claim_script is None:
+            self._claim_script = self._index.client.register_script(CLAIM_LUA)
+        try:
+            await asyncio.gather(*(self._index.ping() for _ in range(max(1, self.config.warm_connections))))
+            await self._index.load_scripts()
+            await self._index.client.script_load(CLAIM_LUA)
+        except (redis.RedisError, OSError) as e:
+            logger.debug("index warm-up failed (%s); connections open on demand", e)
+            return False
+        return True
 
     def invalidate(self) -> None:
         """Drop all cached lookups (e.g. after the replica set changed)."""

@@ -14,6 +14,7 @@ which is what ``RunningReplica.replica_id.unique_id`` shows the router.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from numbers import Integral
@@ -93,6 +94,21 @@ class PrefixAwareRouter(RequestRouter):
         self._reserved = Reservations()
         self._local_load: Counter[str] = self._reserved.load
         self._known: set[str] = set()
+        self._warming: asyncio.Task[bool] | None = None
+        self._start_warm()
+
+    def _start_warm(self) -> None:
+        """Open the index's connections and load its scripts in the background, once, as soon as this router
+        has an event loop (Serve builds it on one; else at the first request), so that the first burst of
+        requests does not open them behind its own intake."""
+        if self._warming is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._warming = loop.create_task(self._reader.warm())
+        self._warming.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen: warm() logs its own
 
     def _ensure_state(self) -> None:
         if not hasattr(self, "_policy"):  # initialize_state() is always called by Serve; be safe anyway
@@ -120,6 +136,7 @@ class PrefixAwareRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         """Rank 1: the policy's choice; rank 2: everyone else (Serve takes the least loaded of a rank)."""
         self._ensure_state()
+        self._start_warm()
         if not candidate_replicas:
             return []
         chain = extract_chain(pending_request, self._max_chunks)

@@ -209,6 +209,9 @@ def redis_for(url: str | None) -> Iterator[str]:
 DRAIN_ANNOUNCE_S = 0.5  # from the drain flag to deleting the app: > the ingress's flag read interval (0.1 s)
 
 SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+# Serve's controller reconciles every 0.1 s by default: 2.6 % of a core on an idle 2-core node (measured), taken
+# from the engines under load. Every 0.5 s it takes 1.0 %; replica starts and deaths are seen up to 0.4 s later.
+CONTROLLER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 
 
 def haproxy_env() -> dict[str, str]:
@@ -232,11 +235,11 @@ def haproxy_env() -> dict[str, str]:
 def ray_env_vars(redis_url: str, front: Front = "ray") -> dict[str, str]:
     """The environment of every Ray process `chunkserve up` starts: where the index lives, the HTTP proxy's
     `ProxyGuard` (clean 503s and SSE error events when an ingress replica dies or the app is being replaced),
-    unless the user gave the proxy a middleware callback of their own, `SERVE_LOOP_ENV`, and with
+    unless the user gave the proxy a middleware callback of their own, `SERVE_LOOP_ENV`, `CONTROLLER_ENV`, and with
     ``front="haproxy"`` `haproxy_env`; a value of those already in the environment wins."""
     from chunkserve.router.proxy_guard import CALLBACK_ENV, CALLBACK_PATH
 
-    defaults = {**SERVE_LOOP_ENV, **(haproxy_env() if front == "haproxy" else {}), CALLBACK_ENV: CALLBACK_PATH}
+    defaults = {**SERVE_LOOP_ENV, **CONTROLLER_ENV, **(haproxy_env() if front == "haproxy" else {}), CALLBACK_ENV: CALLBACK_PATH}
     return {**{k: os.environ.get(k) or v for k, v in defaults.items()}, "CHUNKSERVE_REDIS_URL": redis_url}
 
 

@@ -234,3 +234,69 @@ def test_a_claim_without_redis_is_none_not_an_error(namespace: str) -> None:
             await reader.aclose()
 
     asyncio.run(go())
+
+
+def _scripts_loaded(url: str) -> list[bool]:
+    import hashlib
+
+    import redis
+
+    from chunkserve.cluster.claims import CLAIM_LUA
+    from chunkserve.cluster.index import PREFIX_LEN_LUA, PREFIX_LEN_MULTI_LUA
+
+    shas = [hashlib.sha1(s.encode()).hexdigest() for s in (PREFIX_LEN_LUA, PREFIX_LEN_MULTI_LUA, CLAIM_LUA)]
+    with redis.Redis.from_url(url) as r:
+        return [bool(x) for x in r.script_exists(*shas)]
+
+
+def _clients(url: str) -> int:
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        return len(r.client_list()) - 1  # less this one
+
+
+def test_a_warmed_reader_serves_a_burst_of_lookups_and_claims_without_opening_connections_or_loading_scripts(
+        namespace: str) -> None:
+    with RedisServer() as srv:  # its own server: no other test's clients or scripts
+        pub = WorkerPublisher(srv.url, "w", namespace=namespace)
+        pub.heartbeat()
+        pub.publish([CacheEvent("stored", h) for h in CHAIN[:3]])
+
+        async def go(warm: bool) -> tuple[int, list[bool]]:
+            srv_client_base = _clients(srv.url)
+            reader = _reader(srv.url, namespace, warm_connections=8, cache_ttl_s=0.0)
+            if warm:
+                assert await reader.warm()
+                assert _clients(srv.url) - srv_client_base == 8
+            loaded = _scripts_loaded(srv.url)
+            before = _clients(srv.url)
+            chains = [hash_chain(list(range(i, i + 32)), 4, b"s") for i in range(8)]
+            found = await asyncio.gather(*(reader.lookup(c, ["w"]) for c in chains))  # 8 at once, as a burst
+            owners = await asyncio.gather(*(reader.claim_cold(c[0], ["w"], 8, ttl_s=1.0) for c in chains))
+            assert [r.status for r in found] == ["ok"] * 8 and owners == ["w"] * 8
+            opened = _clients(srv.url) - before
+            await reader.aclose()
+            return opened, loaded
+
+        import redis
+
+        with redis.Redis.from_url(srv.url) as r:
+            r.script_flush()
+        assert asyncio.run(go(warm=False)) == (8, [False, False, False])  # cold: opened in the burst
+        with redis.Redis.from_url(srv.url) as r:
+            r.script_flush()
+        assert asyncio.run(go(warm=True)) == (0, [True, True, True])
+
+
+def test_warming_a_reader_whose_redis_is_down_is_false_not_an_error(namespace: str) -> None:
+    async def go() -> None:
+        assert await CachedIndexReader(None).warm() is False
+        with RedisServer() as srv:
+            reader = _reader(srv.url, namespace)
+            srv.stop()
+            assert await reader.warm() is False
+            assert (await reader.lookup(CHAIN, ["w"])).status in ("down", "timeout")
+            await reader.aclose()
+
+    asyncio.run(go())

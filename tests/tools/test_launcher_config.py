@@ -84,6 +84,14 @@ def test_ray_env_runs_replica_code_on_the_replica_loop_unless_the_user_says_othe
     assert launcher.ray_env_vars("redis://x:1/0")["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
 
 
+def test_ray_env_slows_serves_control_loop_to_half_a_second_unless_the_user_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", raising=False)
+    assert launcher.ray_env_vars("redis://x:1/0")["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")
+    assert launcher.ray_env_vars("redis://x:1/0", "haproxy")["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
+
+
 def test_front_haproxy_turns_on_rays_haproxy_mode_with_free_side_ports_and_a_short_ingress_hold(
         monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
