@@ -360,6 +360,9 @@ class AsyncPrefixIndex:
         await self.client.script_load(PREFIX_LEN_MULTI_LUA)
 
     async def ping(self) -> bool:
+        """PING, on every primary of a Redis Cluster (where each has its own connection pool)."""
+        if isinstance(self.client, AsyncRedisCluster):
+            return bool(await self.client.ping(target_nodes=AsyncRedisCluster.PRIMARIES))
         return bool(await self.client.ping())
 
     async def aclose(self) -> None:

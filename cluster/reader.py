@@ -24,6 +24,8 @@ from chunkserve.cluster.index import AsyncPrefixIndex, as_str
 logger = logging.getLogger(__name__)
 
 LOOKUP_STATUSES = ("ok", "cached", "timeout", "down")
+# what an unreachable index raises: a Redis Cluster with no node up raises RedisClusterException, not a RedisError
+_REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class ReaderConfig:
     max_inflight: int = 64
     # connections `warm` opens ahead of traffic: a burst's concurrent lookups and claims each take one, and one
     # opened in the burst costs its connect and handshake round trips behind the busy event loop (measured: 16
-    # opened at once in a 32-request burst, its first claim answered after 46 ms)
+    # opened at once in a 32-request burst, its first claim answered after 46 ms); 0: no warm-up
     warm_connections: int = 16
 
     def __post_init__(self) -> None:
@@ -80,6 +82,7 @@ class CachedIndexReader:
         self._down_until = 0.0
         self._down = False
         self._claim_script: Any = None
+        self._warming: set[asyncio.Task[Any]] = set()  # warm-ups running (`aclose` cancels them)
         if index_factory is None:
             logger.warning("no prefix index configured: routing by rendezvous hashing and load only")
 
@@ -122,7 +125,7 @@ class CachedIndexReader:
         assert self._index is not None  # set by lookup() before the task starts
         try:
             matches = await self._index.longest_prefixes(chain, workers)
-        except (redis.RedisError, OSError) as e:
+        except _REDIS_ERRORS as e:
             if not self._down:
                 logger.warning("prefix index unreachable (%s); routing by rendezvous hashing + load "
                                "until it is back", e)
@@ -164,22 +167,29 @@ class CachedIndexReader:
         return as_str(task.result())
 
     async def warm(self) -> bool:
-        """Open the index ahead of traffic: ``warm_connections`` pooled connections (concurrent pings) and the
-        lookup and claim scripts loaded, so that the first burst pays no handshake and no NOSCRIPT retry.
-        False (logged at debug) when Redis does not answer: routing then opens them on demand as before."""
-        if self._factory is None:
+        """Open the index ahead of traffic: ``warm_connections`` pooled connections (concurrent pings; on every
+        primary of a Redis Cluster) and the lookup and claim scripts loaded, so that the first burst pays no
+        handshake and no NOSCRIPT retry. False when ``warm_connections`` is 0 or Redis does not answer (logged
+        at debug): routing then opens them on demand as before. `aclose` cancels a warm-up still running."""
+        if self._factory is None or self.config.warm_connections == 0:
             return False
         if self._index is None:
             self._index = self._factory()
         if self._claim_script is None:
             self._claim_script = self._index.client.register_script(CLAIM_LUA)
+        index = self._index  # this warm-up's own: aclose() may drop the reader's meanwhile
+        task = asyncio.current_task()
+        if task is not None:
+            self._warming.add(task)
         try:
-            await asyncio.gather(*(self._index.ping() for _ in range(max(1, self.config.warm_connections))))
-            await self._index.load_scripts()
-            await self._index.client.script_load(CLAIM_LUA)
-        except (redis.RedisError, OSError) as e:
+            await asyncio.gather(*(index.ping() for _ in range(self.config.warm_connections)))
+            await index.load_scripts()
+            await index.client.script_load(CLAIM_LUA)
+        except _REDIS_ERRORS as e:
             logger.debug("index warm-up failed (%s); connections open on demand", e)
             return False
+        finally:
+            self._warming.discard(task)  # type: ignore[arg-type]
         return True
 
     def invalidate(self) -> None:
@@ -189,6 +199,10 @@ class CachedIndexReader:
     async def aclose(self) -> None:
         for t in list(self._inflight.values()):
             t.cancel()
+        warming = [t for t in self._warming if t is not asyncio.current_task()]
+        for t in warming:
+            t.cancel()
+        await asyncio.gather(*warming, return_exceptions=True)  # its connections are back in the pool
         if self._index is not None:
             await self._index.aclose()
             self._index = None

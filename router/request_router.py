@@ -58,6 +58,12 @@ def _stat(r: RunningReplica, name: str) -> int:
     return int(v) if isinstance(v, Integral) and int(v) > 0 else 0
 
 
+def _log_warm_failure(task: asyncio.Task[bool]) -> None:
+    """A warm-up's unexpected error (an unreachable Redis is not one: warm() returns False)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("prefix index warm-up failed: %r; connections open on demand", task.exception())
+
+
 class PrefixAwareRouter(RequestRouter):
     """Longest cached prefix traded against load, with spill, rendezvous for cold prefixes and Redis fallback.
 
@@ -108,7 +114,7 @@ class PrefixAwareRouter(RequestRouter):
         except RuntimeError:
             return
         self._warming = loop.create_task(self._reader.warm())
-        self._warming.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen: warm() logs its own
+        self._warming.add_done_callback(_log_warm_failure)
 
     def _ensure_state(self) -> None:
         if not hasattr(self, "_policy"):  # initialize_state() is always called by Serve; be safe anyway

@@ -300,3 +300,29 @@ def test_warming_a_reader_whose_redis_is_down_is_false_not_an_error(namespace: s
             await reader.aclose()
 
     asyncio.run(go())
+
+
+def test_closing_a_reader_while_it_warms_cancels_the_warm_up_and_leaves_no_connection(namespace: str) -> None:
+    with RedisServer() as srv:
+        base = _clients(srv.url)
+
+        async def go(delay_s: float) -> None:
+            reader = _reader(srv.url, namespace, warm_connections=16)
+            task = asyncio.get_running_loop().create_task(reader.warm())
+            await asyncio.sleep(delay_s)
+            await reader.aclose()
+            assert task.done() and (task.cancelled() or task.result() in (True, False))
+
+        for delay_s in (0.0, 0.0005, 0.001, 0.01):
+            asyncio.run(go(delay_s))
+        assert _clients(srv.url) == base
+
+
+def test_a_reader_told_to_keep_no_warm_connections_does_not_warm(redis_server: RedisServer, namespace: str) -> None:
+    async def go() -> bool:
+        reader = _reader(redis_server.url, namespace, warm_connections=0)
+        ok = await reader.warm()
+        await reader.aclose()
+        return ok
+
+    assert asyncio.run(go()) is False

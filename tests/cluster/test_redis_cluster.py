@@ -136,3 +136,38 @@ def test_stats_snapshots_and_the_drain_flag_work_on_a_cluster(redis_cluster: Red
     assert snaps is not None and sorted(s["kv_chunks_used"] for s in snaps) == [0, 1, 2, 3] and draining
     clear_draining(redis_cluster.url, namespace)
     assert asyncio.run(DrainFlag(redis_cluster.url, namespace, interval_s=0.0).is_set()) is False
+
+
+def test_warming_a_reader_opens_its_connections_on_every_primary(redis_cluster: RedisClusterServer,
+                                                                  namespace: str) -> None:
+    def clients() -> list[int]:  # per node, less the counting connection itself
+        out = []
+        for srv in redis_cluster.servers:
+            with redis.Redis(host=srv.host, port=srv.port) as r:
+                out.append(len(r.client_list()) - 1)
+        return out
+
+    async def go() -> tuple[list[int], list[int]]:
+        before = clients()
+        reader = CachedIndexReader(lambda: AsyncPrefixIndex(redis_cluster.url, namespace=namespace),
+                                   ReaderConfig(warm_connections=4))
+        assert await reader.warm()
+        after = clients()
+        await reader.aclose()
+        return before, after
+
+    before, after = asyncio.run(go())
+    assert all(a - b >= 4 for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_warming_a_reader_whose_cluster_is_unreachable_is_false_not_an_error(namespace: str) -> None:
+    from chunkserve.cluster.redis_server import find_free_port
+
+    async def go() -> None:
+        url = f"redis+cluster://127.0.0.1:{find_free_port('127.0.0.1')}"  # nothing listens there
+        reader = CachedIndexReader(lambda: AsyncPrefixIndex(url, namespace=namespace, socket_timeout_s=0.3))
+        assert await reader.warm() is False
+        assert (await reader.lookup(CHAIN, WORKERS)).status == "down"  # marked down, not raised
+        await reader.aclose()
+
+    asyncio.run(go())

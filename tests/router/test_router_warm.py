@@ -3,37 +3,39 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
-from chunkserve.cluster.index import AsyncPrefixIndex
-from chunkserve.cluster.reader import CachedIndexReader, ReaderConfig
+import redis
+
 from chunkserve.cluster.redis_server import RedisServer
 from chunkserve.router.request_router import PrefixAwareRouter
 
 
-def _router(url: str, namespace: str) -> SimpleNamespace:
-    reader = CachedIndexReader(lambda: AsyncPrefixIndex(url, namespace=namespace), ReaderConfig(warm_connections=4))
-    return SimpleNamespace(_warming=None, _reader=reader)
+def _clients(url: str) -> int:
+    with redis.Redis.from_url(url) as r:
+        return len(r.client_list()) - 1  # less this one
+
+
+def _router(url: str, namespace: str) -> PrefixAwareRouter:
+    """Serve's constructor needs a deployment; `initialize_state` is where this router sets itself up."""
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)
+    router.initialize_state(redis_url=url, namespace=namespace, enable_metrics=False,
+                            reader={"warm_connections": 4})
+    return router
 
 
 def test_the_router_warms_its_index_once_as_soon_as_it_has_an_event_loop(redis_server: RedisServer,
                                                                           namespace: str) -> None:
-    import redis
-
-    with redis.Redis.from_url(redis_server.url) as r:
-        base = len(r.client_list()) - 1  # less this one
-    router = _router(redis_server.url, namespace)
-    PrefixAwareRouter._start_warm(router)  # type: ignore[arg-type]  # no running loop: nothing yet
-    assert router._warming is None
+    base = _clients(redis_server.url)
+    outside = _router(redis_server.url, namespace)  # built with no running loop: nothing yet
+    assert outside._warming is None
 
     async def go() -> bool:
-        PrefixAwareRouter._start_warm(router)  # type: ignore[arg-type]
+        router = _router(redis_server.url, namespace)  # as Serve builds it: on its event loop
         task = router._warming
-        PrefixAwareRouter._start_warm(router)  # type: ignore[arg-type]  # once
+        router._start_warm()  # once
         assert task is not None and router._warming is task
         ok = await task
-        with redis.Redis.from_url(redis_server.url) as r:
-            assert len(r.client_list()) - 1 - base == 4  # its pool: open before any request
+        assert _clients(redis_server.url) - base == 4  # its pool: open before any request
         await router._reader.aclose()
         return ok
 
