@@ -109,8 +109,7 @@ class CachedIndexReader:
         if task is None:
             if len(self._inflight) >= self.config.max_inflight:
                 return LookupResult(None, "timeout")
-            if self._index is None:
-                self._index = self._factory()
+            self._open()
             task = asyncio.get_running_loop().create_task(self._fetch(key, list(chain), list(worker_ids)))
             task.add_done_callback(_consume_exception)
             self._inflight[key] = task
@@ -153,11 +152,8 @@ class CachedIndexReader:
         or does not answer within ``claim_timeout_s`` (the claim then still lands in the background)."""
         if self._factory is None or not candidates or (self._down and self._clock() < self._down_until):
             return None
-        if self._index is None:
-            self._index = self._factory()
-        if self._claim_script is None:
-            self._claim_script = self._index.client.register_script(CLAIM_LUA)
-        keys = claim_keys(self._index.keys, first_hash)
+        index = self._open()
+        keys = claim_keys(index.keys, first_hash)
         args = claim_args(first_hash, candidates, weight, int(ttl_s * 1000), others, last_hash)
         task = asyncio.get_running_loop().create_task(self._claim_script(keys=keys, args=args))
         task.add_done_callback(_consume_exception)
@@ -166,6 +162,14 @@ class CachedIndexReader:
             return None
         return as_str(task.result())
 
+    def _open(self) -> AsyncPrefixIndex:
+        """The index (created on first use, inside the running loop) with its claim script registered."""
+        assert self._factory is not None  # callers return early without an index
+        if self._index is None:
+            self._index = self._factory()
+            self._claim_script = self._index.client.register_script(CLAIM_LUA)
+        return self._index
+
     async def warm(self) -> bool:
         """Open the index ahead of traffic: ``warm_connections`` pooled connections (concurrent pings; on every
         primary of a Redis Cluster) and the lookup and claim scripts loaded, so that the first burst pays no
@@ -173,11 +177,7 @@ class CachedIndexReader:
         at debug): routing then opens them on demand as before. `aclose` cancels a warm-up still running."""
         if self._factory is None or self.config.warm_connections == 0:
             return False
-        if self._index is None:
-            self._index = self._factory()
-        if self._claim_script is None:
-            self._claim_script = self._index.client.register_script(CLAIM_LUA)
-        index = self._index  # this warm-up's own: aclose() may drop the reader's meanwhile
+        index = self._open()  # this warm-up's own: aclose() may drop the reader's meanwhile
         task = asyncio.current_task()
         if task is not None:
             self._warming.add(task)

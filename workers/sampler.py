@@ -171,11 +171,9 @@ class Sampler:
     def __init__(self, seed: int = 0, *, full_sort: bool | None = None, nucleus_k0: int = 32) -> None:
         if nucleus_k0 < 1:
             raise ValueError(f"nucleus_k0 must be >= 1, got {nucleus_k0}")
-        self.seed = seed
         self.full_sort = full_sort
         self.nucleus_k0 = nucleus_k0
-        self._base_key = _mix_int((seed & _MASK64) ^ 0x5EED)
-        self._base_draws = 0  # draws made for unseeded rows
+        self.reseed(seed)
         self._gens: dict[str, int] = {}  # request id -> draws made by that seeded request
         self._staging: dict[str, Staging] = {}  # device -> staging of sample() calls without a plan
         # (slot, device) -> reused fp32 scratch: a fresh [n, V] tensor per step costs page faults on CPU
@@ -185,7 +183,7 @@ class Sampler:
         """Start the unseeded rows' draws over from ``seed`` (seeded requests are unaffected)."""
         self.seed = seed
         self._base_key = _mix_int((seed & _MASK64) ^ 0x5EED)
-        self._base_draws = 0
+        self._base_draws = 0  # draws made for unseeded rows
 
     def forget(self, request_id: str) -> None:
         self._gens.pop(request_id, None)
