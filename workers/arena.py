@@ -12,6 +12,7 @@ two. The results are bitwise the same (the same bytes, elsewhere).
 
 from __future__ import annotations
 
+import math
 import mmap
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -31,8 +32,10 @@ class Relocatable(Protocol):
     def args(self) -> Any: ...
 
 
-class WeightArena:
-    """The block (kept alive by the weights' views into it) and how it is backed."""
+class HugeBlock:
+    """``nbytes`` of zeroed CPU memory on 2 MiB pages where the kernel allows (``buf``, a uint8 tensor that keeps
+    the mapping alive), touched once here so that no page fault lands in a later step; ``huge`` says whether
+    the pages were advised as huge. Elsewhere an ordinary tensor."""
 
     def __init__(self, nbytes: int) -> None:
         self.huge = False
@@ -45,9 +48,20 @@ class WeightArena:
             raw = torch.frombuffer(self._map, dtype=torch.uint8)
             start = -raw.data_ptr() % HUGE_PAGE
             self.buf = raw[start:start + nbytes]
+            self.buf.zero_()  # fault every page in now (anonymous pages read as zero already)
         except (OSError, ValueError, AttributeError):  # no such mapping here: one ordinary tensor
             self._map, self.huge = None, False
-            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+            self.buf = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The block's first bytes as a contiguous tensor of ``dtype`` and ``shape`` (RuntimeError when it does not
+        hold that many)."""
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        return self.buf[:n].view(dtype).view(shape)
+
+
+class WeightArena(HugeBlock):
+    """The block (kept alive by the weights' views into it) and how it is backed."""
 
     @classmethod
     def gather(cls, calls: Sequence[Relocatable]) -> WeightArena | None:

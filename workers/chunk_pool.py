@@ -3,13 +3,17 @@
 Layout: ``k_pool, v_pool: [L, Hkv, N, c, D]``. A run of consecutive chunk ids of one layer,
 ``k_pool[l, :, a:b]``, reshapes without a copy to ``[Hkv, (b-a)*c, D]``, which is what phase 1 of
 the TPP kernel reads. Allocation prefers consecutive ids so that a prompt's chunks form such runs.
-Memory is never returned to the OS.
+Memory is never returned to the OS. On the CPU both tensors lie on 2 MiB pages where the kernel allows
+(`arena.HugeBlock`): a decode step reads each row's chunks wherever they lie, and on 4 KiB pages nearly
+every chunk costs a TLB miss.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from chunkserve.workers.arena import HugeBlock
 
 
 class KVCacheFull(RuntimeError):
@@ -31,8 +35,13 @@ class ChunkPool:
         self.chunk_size, self.num_chunks, self.dtype = chunk_size, num_chunks, dtype
         self.device = torch.device(device)
         shape = (num_layers, num_kv_heads, num_chunks, chunk_size, head_dim)
-        self.k_pool = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, Hkv, N, c, D]
-        self.v_pool = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, Hkv, N, c, D]
+        if self.device.type == "cpu":
+            nbytes = num_layers * num_kv_heads * num_chunks * chunk_size * head_dim * (torch.finfo(dtype).bits // 8)
+            self._blocks = (HugeBlock(nbytes), HugeBlock(nbytes))
+            self.k_pool, self.v_pool = (blk.view(dtype, shape) for blk in self._blocks)  # [L, Hkv, N, c, D] each
+        else:
+            self.k_pool = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, Hkv, N, c, D]
+            self.v_pool = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, Hkv, N, c, D]
         self._free = np.ones(num_chunks, dtype=bool)
         self.num_free = num_chunks
 

@@ -1,11 +1,13 @@
-"""`WeightArena`: a model's kernel-packed weights moved into one block, in program order, bitwise unchanged."""
+"""`WeightArena`: a model's kernel-packed weights moved into one block, in program order, bitwise unchanged;
+`HugeBlock` under it and under the chunk pool."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from chunkserve.workers.arena import ALIGN, WeightArena
+from chunkserve.workers.arena import ALIGN, HUGE_PAGE, HugeBlock, WeightArena
+from chunkserve.workers.chunk_pool import ChunkPool
 from chunkserve.workers.config import preset_config
 from chunkserve.workers.model import CausalLM, DenseCausalAttention
 from chunkserve.workers.quant import BlockLinear, Q4Weight, Q8Weight, load_kernel
@@ -60,3 +62,26 @@ def test_an_int4_model_reads_its_layers_and_head_from_one_arena_with_unchanged_l
 
 def test_gathering_nothing_makes_no_arena() -> None:
     assert WeightArena.gather([]) is None
+
+
+def test_a_huge_block_is_zeroed_writable_and_starts_on_a_huge_page_boundary() -> None:
+    blk = HugeBlock(3 * HUGE_PAGE + 100)
+    assert blk.buf.numel() == 3 * HUGE_PAGE + 100 and blk.buf.dtype == torch.uint8
+    assert int(blk.buf.count_nonzero()) == 0
+    if blk.huge:  # the mapping was advised: the block starts on a 2 MiB page
+        assert blk.buf.data_ptr() % HUGE_PAGE == 0
+    x = blk.view(torch.bfloat16, (2, 3, HUGE_PAGE // 4))  # 3 MiB of the block, viewed in place
+    x.fill_(1.5)
+    assert blk.buf.data_ptr() == x.data_ptr() and x.is_contiguous() and float(x.sum()) == 1.5 * x.numel()
+    with pytest.raises(RuntimeError):
+        blk.view(torch.float32, (HUGE_PAGE,))  # 8 MiB: more than the block holds
+
+
+def test_the_cpu_chunk_pool_lies_in_two_huge_blocks_and_reads_as_zeros() -> None:
+    pool = ChunkPool(3, 2, 16, 8, 40, torch.bfloat16, "cpu")
+    shape = (3, 2, 40, 8, 16)
+    for t, blk in zip((pool.k_pool, pool.v_pool), pool._blocks, strict=True):
+        assert t.shape == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
+        assert t.data_ptr() == blk.buf.data_ptr() and int(t.count_nonzero()) == 0
+    pool.k_pool[1, 0, 7, 2].fill_(3.0)  # K and V are separate memory
+    assert int(pool.v_pool.count_nonzero()) == 0 and int(pool.k_pool.count_nonzero()) == 16
