@@ -14,9 +14,13 @@ from __future__ import annotations
 import logging
 import time
 
-import redis
-
-from chunkserve.cluster.index import DEFAULT_NAMESPACE, AsyncRedis, async_redis_client, redis_client
+from chunkserve.cluster.index import (
+    DEFAULT_NAMESPACE,
+    REDIS_ERRORS,
+    AsyncRedis,
+    async_redis_client,
+    redis_client,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +34,7 @@ def mark_draining(url: str, namespace: str = DEFAULT_NAMESPACE, ttl_s: float = 1
     try:
         redis_client(url).set(drain_key(namespace), "1", px=max(1, int(ttl_s * 1000)))
         return True
-    except redis.RedisError as e:
+    except REDIS_ERRORS as e:
         logger.warning("could not set the drain flag: %s", e)
         return False
 
@@ -39,7 +43,7 @@ def clear_draining(url: str, namespace: str = DEFAULT_NAMESPACE) -> None:
     """Removes the flag (a deployment starting on a Redis that an earlier one drained)."""
     try:
         redis_client(url).delete(drain_key(namespace))
-    except redis.RedisError as e:
+    except REDIS_ERRORS as e:
         logger.warning("could not clear the drain flag: %s", e)
 
 
@@ -64,6 +68,6 @@ class DrainFlag:
             if self._client is None:
                 self._client = async_redis_client(self.url, timeout_s=0.5)
             self._set = bool(await self._client.exists(self.key))
-        except (redis.RedisError, OSError) as e:
+        except REDIS_ERRORS as e:
             logger.debug("drain flag unreadable: %s", e)
         return self._set

@@ -16,14 +16,13 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import redis
-
 from chunkserve.cluster.cache_event import DEFAULT_MAX_DEPTH, EVENT_KINDS, CacheEvent
 from chunkserve.cluster.claims import SETTLE_LUA, settle_keys
 from chunkserve.cluster.index import (
     DEFAULT_NAMESPACE,
     HEARTBEAT_LUA,
     PUBLISH_LUA,
+    REDIS_ERRORS,
     RELEASE_LUA,
     IndexKeys,
     PrefixIndex,
@@ -110,7 +109,7 @@ class WorkerPublisher:
                 self._sweeper.sweep()  # purge workers that died without releasing (any live worker may)
             self._note_ok()
             return resync
-        except redis.RedisError as e:
+        except REDIS_ERRORS as e:
             self._note_error("heartbeat", e)
             with self._lock:
                 self._needs_resync = True  # whatever state Redis is in, rewrite it on recovery
@@ -159,7 +158,7 @@ class WorkerPublisher:
                         self._settle(keys=settle_keys(self.keys), args=[self.worker_id, *stored], client=pipe)
 
                     n = int(execute_pipeline(self.client, queue, self._scripts)[0])
-        except redis.RedisError as e:
+        except REDIS_ERRORS as e:
             self._note_error("publish", e)
             with self._lock:
                 self._needs_resync = True
@@ -203,7 +202,7 @@ class WorkerPublisher:
             try:
                 self._release(keys=self._kv, args=[self.token])
                 self.client.zrem(self.keys.registry, self.worker_id)
-            except redis.RedisError as e:
+            except REDIS_ERRORS as e:
                 self._note_error("release", e)
 
     def _note_error(self, what: str, e: Exception) -> None:

@@ -33,6 +33,9 @@ MAX_LOOKUP_CHUNKS = 4096  # keeps Lua's unpack() far below its stack limit
 _U64 = 1 << 64
 SyncRedis = redis.Redis | RedisCluster
 AsyncRedis = aredis.Redis | AsyncRedisCluster
+# What an unreachable or failing Redis raises: a Redis Cluster with no node up raises RedisClusterException, which is
+# not a RedisError (TimeoutError is an OSError). Every caller that degrades when Redis is away catches these.
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 _I64_MAX = (1 << 63) - 1
 
 # KEYS: lease, chunks. ARGV: hashes (signed decimal). -> -1 (no lease; set purged) or prefix length.

@@ -16,16 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from chunkserve.cluster.claims import CLAIM_LUA, claim_args, claim_keys
-from chunkserve.cluster.index import AsyncPrefixIndex, as_str
+from chunkserve.cluster.index import REDIS_ERRORS, AsyncPrefixIndex, as_str
 
 logger = logging.getLogger(__name__)
 
 LOOKUP_STATUSES = ("ok", "cached", "timeout", "down")
-# what an unreachable index raises: a Redis Cluster with no node up raises RedisClusterException, not a RedisError
-_REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 
 @dataclass(frozen=True)
@@ -124,7 +120,7 @@ class CachedIndexReader:
         assert self._index is not None  # set by lookup() before the task starts
         try:
             matches = await self._index.longest_prefixes(chain, workers)
-        except _REDIS_ERRORS as e:
+        except REDIS_ERRORS as e:
             if not self._down:
                 logger.warning("prefix index unreachable (%s); routing by rendezvous hashing + load "
                                "until it is back", e)
@@ -185,7 +181,7 @@ class CachedIndexReader:
             await asyncio.gather(*(index.ping() for _ in range(self.config.warm_connections)))
             await index.load_scripts()
             await index.client.script_load(CLAIM_LUA)
-        except _REDIS_ERRORS as e:
+        except REDIS_ERRORS as e:
             logger.debug("index warm-up failed (%s); connections open on demand", e)
             return False
         finally:

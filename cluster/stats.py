@@ -27,10 +27,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import redis
-
 from chunkserve.cluster.index import (
     DEFAULT_NAMESPACE,
+    REDIS_ERRORS,
     AsyncRedis,
     IndexKeys,
     SyncRedis,
@@ -94,7 +93,7 @@ class WorkerStatsWriter:
         """Write the snapshot of ``stats``. -> False when Redis is unreachable (logged once)."""
         try:
             self.client.set(self.key, json.dumps(snapshot_of(stats, self.worker_id)), px=self.ttl_ms)
-        except redis.RedisError as e:
+        except REDIS_ERRORS as e:
             if self._ok:
                 logger.warning("worker %s: cannot write stats to Redis: %s", self.worker_id, e)
             self._ok = False
@@ -108,7 +107,7 @@ class WorkerStatsWriter:
         """Write the forest summary (same TTL). -> False when Redis is unreachable."""
         try:
             self.client.set(self.forest_key, json.dumps({**summary, "ts_ms": now_ms()}), px=self.ttl_ms)
-        except redis.RedisError as e:
+        except REDIS_ERRORS as e:
             logger.debug("worker %s: cannot write the forest summary: %s", self.worker_id, e)
             return False
         return True
@@ -117,7 +116,7 @@ class WorkerStatsWriter:
         """Drop the snapshot at once (graceful shutdown)."""
         try:
             self.client.delete(self.key, self.forest_key)
-        except redis.RedisError as e:
+        except REDIS_ERRORS as e:
             logger.debug("worker %s: stats delete failed: %s", self.worker_id, e)
 
 
@@ -180,7 +179,7 @@ class ClusterStatsReader:
     async def _refresh(self) -> list[dict[str, Any]] | None:
         try:
             snaps: list[dict[str, Any]] | None = await self._fetch()
-        except (TimeoutError, redis.RedisError, OSError) as e:
+        except REDIS_ERRORS as e:
             if self._ok:
                 logger.warning("cluster stats unavailable from Redis (%s); /metrics shows the ingress only",
                                e or type(e).__name__)
@@ -231,7 +230,7 @@ class ClusterStatsReader:
 
         try:
             return await asyncio.wait_for(fetch(), self.timeout_s)
-        except (TimeoutError, redis.RedisError, OSError) as e:
+        except REDIS_ERRORS as e:
             logger.debug("forest summaries unavailable: %s", e)
             return None
 

@@ -26,9 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import RedisError
-
-from chunkserve.cluster.index import AsyncRedis, async_redis_client
+from chunkserve.cluster.index import REDIS_ERRORS, AsyncRedis, async_redis_client
 from chunkserve.router.ratelimit import Lease, RateLimited, RateLimiter, request_burst
 from chunkserve.router.tenants import Tenant
 
@@ -173,7 +171,7 @@ class ClusterRateLimiter:
                 ok, wait_ms, why = await self._eval(
                     _ACQUIRE, self._keys(tenant_id), lim.req_rate or 0, lim.req_cap,
                     -1 if lim.max_concurrent is None else lim.max_concurrent, lease.lease_id, self.lease_ms)
-            except (TimeoutError, RedisError, OSError) as e:
+            except REDIS_ERRORS as e:
                 self._redis_down(e)
                 if lim.max_concurrent is not None:  # the script may have run before the answer was lost
                     self._forget(tenant_id, lease.lease_id)
@@ -204,7 +202,7 @@ class ClusterRateLimiter:
         try:
             wait_ms = int(await self._eval(_TOKENS, self._keys(lease.tenant_id)[:1], lim.tok_rate, lim.tok_cap,
                                            estimate))
-        except (TimeoutError, RedisError, OSError) as e:
+        except REDIS_ERRORS as e:
             self._redis_down(e)
             return  # admitted already; the token charge is skipped rather than failing the request
         if wait_ms > 0:
@@ -229,7 +227,7 @@ class ClusterRateLimiter:
             refund = lease.charged_tokens - actual_tokens if actual_tokens is not None else 0
             if lim.tok_rate is not None and refund > 0:
                 await self._eval(_TOKENS, (bucket,), lim.tok_rate, lim.tok_cap, -refund)
-        except (TimeoutError, RedisError, OSError) as e:
+        except REDIS_ERRORS as e:
             self._redis_down(e)
             if lim.max_concurrent is not None:
                 self._forget(lease.tenant_id, lease.lease_id)
@@ -248,7 +246,7 @@ class ClusterRateLimiter:
             try:
                 await asyncio.wait_for(self._redis().zrem(run, lease_id), self._timeout * 2)
                 return
-            except (TimeoutError, RedisError, OSError):
+            except REDIS_ERRORS:
                 await asyncio.sleep(delay)
 
     async def close(self) -> None:

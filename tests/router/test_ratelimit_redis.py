@@ -117,6 +117,26 @@ def test_unreachable_redis_falls_back_to_this_replicas_limits(caplog) -> None:
     assert "Redis unreachable" in caplog.text
 
 
+def test_an_unreachable_redis_cluster_falls_back_to_this_replicas_limits_too() -> None:
+    # a Redis Cluster with no node up raises RedisClusterException, which is not a RedisError: it must not escape
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def run() -> None:
+        lim = ClusterRateLimiter(_tenants(max_concurrent_requests=1).tenants, f"redis+cluster://127.0.0.1:{port}",
+                                 timeout_s=0.2)
+        lease = await lim.admit("a")
+        assert lease.local is not None and lim.running("a") == 1
+        with pytest.raises(RateLimited, match="concurrent"):
+            await lim.admit("a")
+        await lease.finish()
+        assert lim.running("a") == 0
+        await lim.close()
+
+    asyncio.run(run())
+
+
 def test_two_ingress_replicas_answer_429_once_the_shared_burst_is_spent(redis_server, namespace) -> None:
     from chunkserve.router.ingress import Ingress, IngressConfig
     from chunkserve.workers.weights import load_model
