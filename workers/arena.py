@@ -35,9 +35,10 @@ class Relocatable(Protocol):
 class HugeBlock:
     """``nbytes`` of zeroed CPU memory on 2 MiB pages where the kernel allows (``buf``, a uint8 tensor that keeps
     the mapping alive), touched once here so that no page fault lands in a later step; ``huge`` says whether
-    the pages were advised as huge. Elsewhere an ordinary tensor."""
+    the pages were advised as huge. Elsewhere an ordinary tensor. ``zero=False``: neither zeroed nor touched, for
+    a caller that writes every byte at once (`WeightArena.gather`)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, zero: bool = True) -> None:
         self.huge = False
         self._map: mmap.mmap | None = None
         try:  # private anonymous memory, 2 MiB-aligned inside the mapping, advised as huge pages
@@ -48,15 +49,16 @@ class HugeBlock:
             raw = torch.frombuffer(self._map, dtype=torch.uint8)
             start = -raw.data_ptr() % HUGE_PAGE
             self.buf = raw[start:start + nbytes]
-            self.buf.zero_()  # fault every page in now (anonymous pages read as zero already)
+            if zero:
+                self.buf.zero_()  # fault every page in now (anonymous pages read as zero already)
         except (OSError, ValueError, AttributeError):  # no such mapping here: one ordinary tensor
             self._map, self.huge = None, False
-            self.buf = torch.zeros(nbytes, dtype=torch.uint8)
+            self.buf = (torch.zeros if zero else torch.empty)(nbytes, dtype=torch.uint8)
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The block's first bytes as a contiguous tensor of ``dtype`` and ``shape`` (RuntimeError when it does not
         hold that many)."""
-        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
         return self.buf[:n].view(dtype).view(shape)
 
 
@@ -73,7 +75,7 @@ class WeightArena(HugeBlock):
         for n in sizes:
             offsets.append(off)
             off += -(-n // ALIGN) * ALIGN
-        arena = cls(off)
+        arena = cls(off, zero=False)  # the copies below write every weight's bytes
         for c, o, n in zip(calls, offsets, sizes, strict=True):
             dst = arena.buf[o:o + n]
             dst.copy_(c.w.contiguous().view(-1).view(torch.uint8))

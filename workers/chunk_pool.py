@@ -10,6 +10,8 @@ every chunk costs a TLB miss.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -36,7 +38,7 @@ class ChunkPool:
         self.device = torch.device(device)
         shape = (num_layers, num_kv_heads, num_chunks, chunk_size, head_dim)
         if self.device.type == "cpu":
-            nbytes = num_layers * num_kv_heads * num_chunks * chunk_size * head_dim * (torch.finfo(dtype).bits // 8)
+            nbytes = math.prod(shape) * dtype.itemsize
             self._blocks = (HugeBlock(nbytes), HugeBlock(nbytes))
             self.k_pool, self.v_pool = (blk.view(dtype, shape) for blk in self._blocks)  # [L, Hkv, N, c, D] each
         else:
@@ -47,8 +49,7 @@ class ChunkPool:
 
     @property
     def bytes_per_chunk(self) -> int:
-        elem = torch.finfo(self.dtype).bits // 8
-        return 2 * self.num_layers * self.num_kv_heads * self.chunk_size * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.chunk_size * self.head_dim * self.dtype.itemsize
 
     def is_free(self, chunk: int) -> bool:
         return bool(self._free[chunk])
