@@ -97,14 +97,16 @@ def test_a_lost_release_frees_its_slot_when_the_lease_expires(redis_server, name
     asyncio.run(run())
 
 
-def test_unreachable_redis_falls_back_to_this_replicas_limits(caplog) -> None:
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+def test_unreachable_redis_falls_back_to_this_replicas_limits(caplog, scheme: str) -> None:
+    # a Redis Cluster with no node up raises RedisClusterException, which is not a RedisError: it must not escape
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: nothing listens there
 
     async def run() -> None:
-        lim = ClusterRateLimiter(_tenants(max_concurrent_requests=1).tenants, f"redis://127.0.0.1:{port}/0",
-                                 timeout_s=0.2)
+        url = f"{scheme}://127.0.0.1:{port}" + ("/0" if scheme == "redis" else "")
+        lim = ClusterRateLimiter(_tenants(max_concurrent_requests=1).tenants, url, timeout_s=0.2)
         lease = await lim.admit("a")
         assert lease.local is not None and lim.running("a") == 1
         with pytest.raises(RateLimited, match="concurrent"):
@@ -115,26 +117,6 @@ def test_unreachable_redis_falls_back_to_this_replicas_limits(caplog) -> None:
 
     asyncio.run(run())
     assert "Redis unreachable" in caplog.text
-
-
-def test_an_unreachable_redis_cluster_falls_back_to_this_replicas_limits_too() -> None:
-    # a Redis Cluster with no node up raises RedisClusterException, which is not a RedisError: it must not escape
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-
-    async def run() -> None:
-        lim = ClusterRateLimiter(_tenants(max_concurrent_requests=1).tenants, f"redis+cluster://127.0.0.1:{port}",
-                                 timeout_s=0.2)
-        lease = await lim.admit("a")
-        assert lease.local is not None and lim.running("a") == 1
-        with pytest.raises(RateLimited, match="concurrent"):
-            await lim.admit("a")
-        await lease.finish()
-        assert lim.running("a") == 0
-        await lim.close()
-
-    asyncio.run(run())
 
 
 def test_two_ingress_replicas_answer_429_once_the_shared_burst_is_spent(redis_server, namespace) -> None:
