@@ -31,6 +31,7 @@ from chunkserve.router.failover import ResumedText, rebased, resume_request
 from chunkserve.router.grpc_service import GrpcServiceMixin
 from chunkserve.router.ingress_config import IngressConfig, Prepared
 from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, template_chars
+from chunkserve.router.prompt_tokens import ChatTokenCache
 from chunkserve.router.ratelimit import Admission, AdmissionLease, RateLimited, RateLimiter, RefusalMemo
 from chunkserve.router.server_metrics import ServerMetrics
 from chunkserve.router.tenants import AuthError, Tenant, TenantRegistry
@@ -67,6 +68,7 @@ class Ingress(GrpcServiceMixin):
         `RateLimiter` (pass a `ClusterRateLimiter` to share the limits between replicas)."""
         self.engine = engine
         self.tokenizer = tokenizer
+        self.chat_tokens = ChatTokenCache(tokenizer)  # a shared system prompt is tokenised once
         self.tenants = tenants
         self.config = config
         self.limiter: Admission = limiter if limiter is not None else RateLimiter(tenants.tenants)
@@ -116,8 +118,7 @@ class Ingress(GrpcServiceMixin):
         return list(self.tokenizer.encode(text))
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.chat_tokens.encode_chat(messages)
 
     async def tokenize(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         """Prompt token ids (chat requests go through the tokenizer's chat template)."""

@@ -40,3 +40,17 @@ def test_template_chars_counts_each_messages_markup():
     assert template_chars([{"role": "user", "content": ""}] * 3) == 3 * template_chars([{"role": "user", "content": ""}])
     assert template_chars([{"role": "user", "content": "abcd"}]) == 4 + template_chars([{"role": "user", "content": ""}])
     assert template_chars([{"role": "user", "content": ""}]) > 0
+
+
+def test_chats_that_share_a_system_prompt_have_it_tokenised_once() -> None:
+    tok = load_model("random:tiny").tokenizer
+    ing = Ingress(None, tok, TenantRegistry(None),  # type: ignore[arg-type]
+                  IngressConfig(model_name="m", max_model_len=100_000, chunk_size=16))
+    system = "You are the support assistant of Acme. Cite the policy number in every answer. " * 12
+    ids = []
+    for question in ("Where is my order?", " Can I get a refund?\n"):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        ids.append(asyncio.run(ing.tokenize(ChatCompletionRequest(model="m", messages=msgs))))
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert ids[-1] == list(tok.encode(text, add_special_tokens=False))
+    assert (ing.chat_tokens.misses, ing.chat_tokens.hits) == (1, 1)
