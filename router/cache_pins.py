@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 from chunkserve.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, template_chars
 from chunkserve.router.tenants import Tenant
@@ -27,12 +26,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def prefix_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` rendered by the chat template, without the generation prompt."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 async def cache_pin_spec(tenant: Tenant, req: CompletionRequest | ChatCompletionRequest, ids: list[int],

@@ -25,7 +25,7 @@ from chunkserve import env
 from chunkserve.cluster.drain import DrainFlag
 from chunkserve.cluster.hashing import hash_chain
 from chunkserve.cluster.stats import ClusterStatsReader, snapshot_of
-from chunkserve.router.cache_pins import cache_pin_spec, prefix_ids
+from chunkserve.router.cache_pins import cache_pin_spec
 from chunkserve.router.engine_client import EngineClient, HandleEngineClient, engine_error_to_api
 from chunkserve.router.failover import ResumedText, rebased, resume_request
 from chunkserve.router.grpc_service import GrpcServiceMixin
@@ -204,7 +204,7 @@ class Ingress(GrpcServiceMixin):
             sampling = self._sampling(req, len(ids))
             await lease.charge(len(ids) + sampling.max_tokens)
             hashes = hash_chain(ids, self.config.chunk_size, tenant.cache_salt, self.config.max_hashed_chunks)
-            pin = await cache_pin_spec(tenant, req, ids, lambda msgs: prefix_ids(self.tokenizer, msgs))
+            pin = await cache_pin_spec(tenant, req, ids, self.chat_tokens.encode_prefix)
         except RateLimited as e:
             raise _rate_limited(e) from None
         except BaseException:

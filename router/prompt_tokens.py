@@ -8,7 +8,7 @@ a bounded LRU, and tokenises only the rest. The result is the same list of ids a
 
 - a fast tokenizer extracts its added tokens before normalising and pre-tokenising, so the text on either
   side of one is tokenised on its own; the split token must neither strip the whitespace beside it
-  (``lstrip`` / ``rstrip``), nor match whole words only, nor lie inside a longer added token;
+  (``lstrip`` / ``rstrip``), nor match whole words only, nor lie inside or overlap another added token;
 - the rest is tokenised behind the split token (``token + rest``, its first id dropped), so a pre-tokenizer
   that treats the first section of a text apart (``Metaspace`` with ``prepend_scheme="first"``) sees it as a
   later section, as in the whole text;
@@ -38,10 +38,15 @@ def _split_tokens(tokenizer: Any) -> dict[str, int]:
     for tid, tok in added.items():
         s = tok.content
         if (not tok.special or tok.lstrip or tok.rstrip or tok.single_word or tok.normalized or not s
-                or any(s in other and s != other for other in contents)):
+                or any(other != s and (s in other or _overlap(s, other) or _overlap(other, s)) for other in contents)):
             continue
         out[s] = int(tid)
     return out
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether a proper suffix of ``a`` is a prefix of ``b`` (then where one ends the other may begin)."""
+    return any(b.startswith(a[i:]) for i in range(1, len(a)))
 
 
 class ChatTokenCache:
@@ -70,31 +75,34 @@ class ChatTokenCache:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """``encode(apply_chat_template(messages, add_generation_prompt=True))`` without special tokens added."""
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        split = self._split_at(messages, text) if self.enabled and len(messages) >= 2 else None
-        if split is None:
+        if not self.enabled or len(messages) < 2:
             return self._encode(text)
-        pos, token = split
-        tid = self._split[token]
-        head_text = text[:pos]
-        head = self._head_ids(head_text, tid)
-        rest = self._encode(token + text[pos:])
-        if head is None or not rest or rest[0] != tid:
-            return self._encode(text)
-        return [*head, *rest[1:]]
-
-    def _split_at(self, messages: list[dict[str, str]], text: str) -> tuple[int, str] | None:
-        """(end of the head's last split token in ``text``, that token), or None where the head is not a prefix."""
         try:
             head = self.tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=False)
         except Exception:  # a template that refuses a conversation ending on this message
-            return None
-        if (self._pattern is None or not isinstance(head, str) or len(head) < MIN_HEAD_CHARS
-                or not text.startswith(head)):
-            return None
-        found = list(self._pattern.finditer(head))
+            return self._encode(text)
+        if not isinstance(head, str) or not text.startswith(head):
+            return self._encode(text)
+        return self._encode_split(text, head)
+
+    def encode_prefix(self, messages: list[dict[str, str]]) -> list[int]:
+        """The ids of ``messages`` rendered without the generation prompt (a ``cache_control`` mark's prefix):
+        the head of the chats that continue them, so usually found in the cache."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        return self._encode_split(text, text) if self.enabled else self._encode(text)
+
+    def _encode_split(self, text: str, head: str) -> list[int]:
+        """``text``'s ids, split after the last split token inside ``head`` (a prefix of it) when there is one."""
+        found = list(self._pattern.finditer(head)) if self._pattern is not None and len(head) >= MIN_HEAD_CHARS else []
         if not found or found[-1].end() < MIN_HEAD_CHARS:
-            return None
-        return found[-1].end(), found[-1].group(0)
+            return self._encode(text)
+        pos, token = found[-1].end(), found[-1].group(0)
+        tid = self._split[token]
+        ids = self._head_ids(text[:pos], tid)
+        rest = self._encode(token + text[pos:])
+        if ids is None or not rest or rest[0] != tid:
+            return self._encode(text)
+        return [*ids, *rest[1:]]
 
     def _head_ids(self, head_text: str, tid: int) -> tuple[int, ...] | None:
         with self._lock:

@@ -81,13 +81,12 @@ def test_a_first_section_pre_tokenizer_gets_the_same_ids_as_the_whole_text() -> 
 def test_a_special_token_that_strips_whitespace_is_never_split_after() -> None:
     tok = metaspace_tokenizer(rstrip=True)  # "[/INST]" eats the whitespace after it
     cache = ChatTokenCache(tok)
-    splits: list[tuple[int, str] | None] = []
-    split_at = cache._split_at
-    cache._split_at = lambda m, t: splits.append(split_at(m, t)) or splits[-1]  # type: ignore[method-assign]
+    heads: list[str] = []
+    head_ids = cache._head_ids
+    cache._head_ids = lambda h, t: heads.append(h) or head_ids(h, t)  # type: ignore[method-assign]
     for msgs in conversations(2, 30):
         assert cache.encode_chat(msgs) == direct(tok, msgs)
-    used = {s[1] for s in splits if s is not None}
-    assert used == {"</s>"}  # heads ending on an assistant turn split after "</s>", never after "[/INST]"
+    assert heads and all(h.endswith("</s>") for h in heads)  # split after an assistant turn, never after [/INST]
 
 
 def test_a_template_that_renders_the_last_message_apart_tokenises_the_whole_text(smollm: Any) -> None:
@@ -106,3 +105,22 @@ def test_the_head_cache_keeps_at_most_its_entries(smollm: Any) -> None:
         msgs = [{"role": "system", "content": f"{SYSTEM} tenant {i}"}, {"role": "user", "content": "hi"}]
         assert cache.encode_chat(msgs) == direct(smollm, msgs)
     assert len(cache._heads) == 2 and cache.misses == 6
+
+
+def test_a_cache_control_prefix_is_the_head_its_chats_cached(smollm: Any) -> None:
+    cache = ChatTokenCache(smollm)
+    system = [{"role": "system", "content": SYSTEM}]
+    chat = [*system, {"role": "user", "content": " Where is my order?"}]
+    assert cache.encode_chat(chat) == direct(smollm, chat)
+    want = list(smollm.encode(smollm.apply_chat_template(system, tokenize=False), add_special_tokens=False))
+    assert cache.encode_prefix(system) == want
+    assert (cache.misses, cache.hits) == (1, 1)
+    assert cache.encode_chat(chat)[:len(want)] == want  # the pin covers the prompt's leading tokens
+
+
+def test_special_tokens_that_overlap_another_are_never_split_after() -> None:
+    tok = metaspace_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<x|", "|y>", "|y>!"]})  # "<x|" ends where "|y>" begins
+    split = ChatTokenCache(tok)._split
+    assert "[INST]" in split and "[/INST]" in split
+    assert not {"<x|", "|y>", "|y>!"} & set(split)
