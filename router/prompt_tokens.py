@@ -75,7 +75,7 @@ class ChatTokenCache:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """``encode(apply_chat_template(messages, add_generation_prompt=True))`` without special tokens added."""
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if not self.enabled or len(messages) < 2:
+        if not self.enabled or len(messages) < 2 or len(text) < MIN_HEAD_CHARS:  # a short chat: one render
             return self._encode(text)
         try:
             head = self.tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=False)
