@@ -116,16 +116,19 @@ class CachedIndexReader:
             return LookupResult(None, "down")
         return LookupResult(task.result(), "ok")
 
+    def _mark_down(self, e: BaseException) -> None:
+        """Redis did not answer: lookups and claims skip it for ``retry_after_s``."""
+        if not self._down:
+            logger.warning("prefix index unreachable (%s); routing by rendezvous hashing + load until it is back", e)
+        self._down = True
+        self._down_until = self._clock() + self.config.retry_after_s
+
     async def _fetch(self, key: _Key, chain: list[int], workers: list[str]) -> dict[str, int]:
         assert self._index is not None  # set by lookup() before the task starts
         try:
             matches = await self._index.longest_prefixes(chain, workers)
         except REDIS_ERRORS as e:
-            if not self._down:
-                logger.warning("prefix index unreachable (%s); routing by rendezvous hashing + load "
-                               "until it is back", e)
-            self._down = True
-            self._down_until = self._clock() + self.config.retry_after_s
+            self._mark_down(e)
             raise
         finally:
             self._inflight.pop(key, None)
@@ -169,8 +172,9 @@ class CachedIndexReader:
     async def warm(self) -> bool:
         """Open the index ahead of traffic: ``warm_connections`` pooled connections (concurrent pings; on every
         primary of a Redis Cluster) and the lookup and claim scripts loaded, so that the first burst pays no
-        handshake and no NOSCRIPT retry. False when ``warm_connections`` is 0 or Redis does not answer (logged
-        at debug): routing then opens them on demand as before. `aclose` cancels a warm-up still running."""
+        handshake and no NOSCRIPT retry. False when ``warm_connections`` is 0 or Redis does not answer (then the
+        index is marked down for ``retry_after_s``, as a failed lookup marks it): routing opens them on demand.
+        `aclose` cancels a warm-up still running."""
         if self._factory is None or self.config.warm_connections == 0:
             return False
         index = self._open()  # this warm-up's own: aclose() may drop the reader's meanwhile
@@ -181,8 +185,8 @@ class CachedIndexReader:
             await asyncio.gather(*(index.ping() for _ in range(self.config.warm_connections)))
             await index.load_scripts()
             await index.client.script_load(CLAIM_LUA)
-        except REDIS_ERRORS as e:
-            logger.debug("index warm-up failed (%s); connections open on demand", e)
+        except REDIS_ERRORS as e:  # marked down, so the first burst's lookups do not each wait on it
+            self._mark_down(e)
             return False
         finally:
             self._warming.discard(task)  # type: ignore[arg-type]
