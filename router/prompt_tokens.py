@@ -33,20 +33,31 @@ def _split_tokens(tokenizer: Any) -> dict[str, int]:
     if not getattr(tokenizer, "is_fast", False):
         return {}
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    contents = [t.content for t in added.values()]
+    contents = [t.content for t in added.values() if t.content]
+    # who has each non-empty prefix, and each proper suffix (a few hundred reserved tokens: no pairwise scan)
+    prefixes: dict[str, set[str]] = {}
+    suffixes: dict[str, set[str]] = {}
+    for c in contents:
+        for k in range(1, len(c) + 1):
+            prefixes.setdefault(c[:k], set()).add(c)
+        for i in range(1, len(c)):
+            suffixes.setdefault(c[i:], set()).add(c)
     out: dict[str, int] = {}
     for tid, tok in added.items():
         s = tok.content
-        if (not tok.special or tok.lstrip or tok.rstrip or tok.single_word or tok.normalized or not s
-                or any(other != s and (s in other or _overlap(s, other) or _overlap(other, s)) for other in contents)):
+        if not tok.special or tok.lstrip or tok.rstrip or tok.single_word or tok.normalized or not s:
+            continue
+        if any(s in other and s != other for other in contents) or _overlaps(s, prefixes, suffixes):
             continue
         out[s] = int(tid)
     return out
 
 
-def _overlap(a: str, b: str) -> bool:
-    """Whether a proper suffix of ``a`` is a prefix of ``b`` (then where one ends the other may begin)."""
-    return any(b.startswith(a[i:]) for i in range(1, len(a)))
+def _overlaps(s: str, prefixes: dict[str, set[str]], suffixes: dict[str, set[str]]) -> bool:
+    """Whether another added token begins inside ``s`` (a proper suffix of ``s`` is its prefix) or ends inside it
+    (a proper suffix of it is a prefix of ``s``): then where one ends the other may begin."""
+    return (any(prefixes.get(s[i:], set()) - {s} for i in range(1, len(s)))
+            or any(suffixes.get(s[:k], set()) - {s} for k in range(1, len(s) + 1)))
 
 
 class ChatTokenCache:
@@ -93,7 +104,7 @@ class ChatTokenCache:
 
     def _encode_split(self, text: str, head: str) -> list[int]:
         """``text``'s ids, split after the last split token inside ``head`` (a prefix of it) when there is one."""
-        found = list(self._pattern.finditer(head)) if self._pattern is not None and len(head) >= MIN_HEAD_CHARS else []
+        found = list(self._pattern.finditer(head)) if self._pattern is not None else []
         if not found or found[-1].end() < MIN_HEAD_CHARS:
             return self._encode(text)
         pos, token = found[-1].end(), found[-1].group(0)
